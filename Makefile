@@ -1,0 +1,24 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench setup clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/activate
+	$(BIN)/pip install -q -e '.[test]'
+
+demo: setup
+	$(BIN)/jaxrl-cache demo
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/python -m pytest benchmarks --benchmark-only
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .benchmarks

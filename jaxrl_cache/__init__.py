@@ -1,0 +1,1 @@
+"""jaxrl_cache: attributable RL post-training."""

@@ -1,0 +1,67 @@
+"""Shared helpers for the paged-attention kernels: argument checks and backend choice."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("auto", "pallas", "interpret", "xla")
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to "pallas" on GPU and "xla" elsewhere; validates the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def check_int32(name: str, x) -> None:
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype} with shape {x.shape}")
+
+
+def check_pages(q_name: str, q, k_pages, v_pages) -> tuple[int, int, int, int]:
+    """Validates a [P, Hkv, page_size, D] pool against q [..., Hq, D].
+
+    Returns (num_pages, num_kv_heads, page_size, group) where group = Hq // Hkv.
+    """
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [P, Hkv, page_size, D], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    num_q_heads, q_dim = q.shape[-2], q.shape[-1]
+    if q_dim != head_dim:
+        raise ValueError(
+            f"{q_name} head_dim {q_dim} (shape {q.shape}) != k_pages head_dim {head_dim} "
+            f"(shape {k_pages.shape})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"Hq={num_q_heads} ({q_name} shape {q.shape}) must be a multiple of "
+            f"Hkv={num_kv_heads} (k_pages shape {k_pages.shape})")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"{q_name} must be floating point, got {q.dtype}")
+    return num_pages, num_kv_heads, page_size, num_q_heads // num_kv_heads
+
+
+def check_kernel_shapes(page_size: int, head_dim: int) -> None:
+    """The Triton lowering needs power-of-2 block dimensions."""
+    if not is_power_of_2(page_size):
+        raise ValueError(f"page_size must be a power of two for the Pallas kernel, got {page_size}")
+    if not is_power_of_2(head_dim):
+        raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
+
+
+def default_scale(sm_scale: float | None, head_dim: int) -> float:
+    return float(head_dim) ** -0.5 if sm_scale is None else float(sm_scale)

@@ -1,0 +1,211 @@
+"""Paged prefill attention: ragged packed query tokens over a paged KV pool, causal.
+
+Sequence b owns packed query rows cu_q_lens[b]:cu_q_lens[b+1]; its new token j sits at
+position kv_lens[b] - q_len[b] + j and sees every KV position <= its own, the cached prefix
+pages included. The GPU kernel cuts each sequence into query tiles of `block_q` tokens; one
+program owns (tile, kv head) with the whole GQA group folded into the rows, and walks KV pages
+only up to the tile's causal bound with an online softmax in fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import _common as c
+
+
+def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale: float,
+                    page_size: int, pages_per_block: int, group_rows: int):
+    # q_ref [block_q * G_pad, D] (row r is token r // G_pad); k_ref/v_ref [P, page_size, D];
+    # pages_ref int32 [W] (this tile's sequence); info_ref int32 [4] = (first q position,
+    # kv_len, 0, 0); o_ref [block_q * G_pad, D]
+    rows, head_dim = q_ref.shape
+    block_k = pages_per_block * page_size
+    q_pos0 = info_ref[0]
+    kv_len = info_ref[1]
+    row_pos = q_pos0 + jnp.arange(rows) // group_rows  # [rows]
+    kv_end = jnp.minimum(kv_len, q_pos0 + rows // group_rows)  # causal bound of the tile
+    num_blocks = pl.cdiv(kv_end, block_k)
+    q = q_ref[...]
+
+    def body(i, carry):
+        o, m, l = carry
+        page_ids = pages_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_ref[page_ids].reshape(block_k, head_dim)
+        v = v_ref[page_ids].reshape(block_k, head_dim)
+        s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [rows, block_k]
+        col_pos = i * block_k + jnp.arange(block_k)
+        mask = (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
+        s = jnp.where(mask, s, c.MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = alpha * l + p.sum(axis=-1)
+        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return o_new, m_new, l_new
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, _, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _token_layout(cu_q_lens, kv_lens, num_tokens):
+    """Per packed token: its sequence, its position, whether it is real. All [T] int32/bool."""
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, kv_lens.shape[0] - 1)
+    valid = tok < cu_q_lens[-1]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pos = kv_lens[seq] - q_lens[seq] + (tok - cu_q_lens[seq])
+    return seq.astype(jnp.int32), pos.astype(jnp.int32), valid
+
+
+def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q,
+                    pages_per_block, num_warps, num_stages, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    num_seqs = kv_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_rows = c.next_power_of_2(group)
+    if block_q is None:
+        block_q = max(16 // group_rows, min(64, c.next_power_of_2(num_tokens)))
+    rows = block_q * group_rows
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    for name, val in (("block_q", block_q), ("pages_per_block", pages_per_block)):
+        if not c.is_power_of_2(val):
+            raise ValueError(f"{name} must be a power of two, got {val}")
+    if not interpret and (rows < 16 or pages_per_block * page_size < 16):
+        raise ValueError(
+            f"block_q * G_pad = {rows} and pages_per_block * page_size = "
+            f"{pages_per_block * page_size} must be >= 16 for the compiled kernel")
+    width = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block
+    page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+
+    # Map query tiles to (sequence, first token): a static upper bound of tiles, the excess
+    # ones point at no sequence (kv_len 0) and do no work.
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    tiles_per_seq = pl.cdiv(q_lens, block_q)
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.clip(jnp.searchsorted(tile_end, tile, side="right"), 0, num_seqs - 1)
+    tile_real = tile < tile_end[-1]
+    tile_q0 = (tile - (tile_end - tiles_per_seq)[tile_seq]) * block_q  # offset in the sequence
+    info = jnp.stack([
+        kv_lens[tile_seq] - q_lens[tile_seq] + tile_q0,
+        jnp.where(tile_real, kv_lens[tile_seq], 0),
+        jnp.zeros_like(tile), jnp.zeros_like(tile)], axis=1).astype(jnp.int32)  # [NT, 4]
+    tile_pages = page_table[tile_seq]  # [NT, W]
+
+    # Gather q into [NT, Hkv, block_q * G_pad, D]; rows past a sequence's end are zeros.
+    j = jnp.arange(block_q)
+    src = cu_q_lens[tile_seq][:, None] + tile_q0[:, None] + j[None, :]  # [NT, block_q]
+    row_real = tile_real[:, None] & (tile_q0[:, None] + j[None, :] < q_lens[tile_seq][:, None])
+    src = jnp.where(row_real, src, num_tokens)
+    qg = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src]  # [NT, block_q, Hq, D]
+    qg = qg.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, group_rows - group), (0, 0)))
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+
+    kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, page_size=page_size,
+                               pages_per_block=pages_per_block, group_rows=group_rows)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda t, h: (0, h, 0, 0)),
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda t, h: (0, h, 0, 0)),
+            pl.BlockSpec((None, width), lambda t, h: (t, 0)),
+            pl.BlockSpec((None, 4), lambda t, h: (t, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="paged_prefill_attention",
+    )(qg, k_pages, v_pages, tile_pages, info)
+
+    # Scatter the tiles back to packed token order.
+    out = out.reshape(num_tiles, num_kv_heads, block_q, group_rows, head_dim)
+    out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
+    packed = jnp.zeros((num_tokens + 1, num_q_heads, head_dim), q.dtype)
+    return packed.at[src.reshape(-1)].set(out, mode="drop")[:num_tokens]
+
+
+def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
+                            sm_scale=None):
+    """Pure-jnp paged prefill (the `xla` backend).
+
+    Gathers every sequence's pages once into one key axis of B * W * page_size slots and
+    masks each packed query to its own sequence's causal window. Cost O(T * B * W * ps), fine
+    for the CPU demo's few sequences per call. Shapes as `paged_prefill_attention`.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    num_seqs, width = page_table.shape
+    group = num_q_heads // num_kv_heads
+    scale = c.default_scale(sm_scale, head_dim)
+    seq, pos, valid = _token_layout(cu_q_lens, kv_lens, num_tokens)
+
+    def gather(pages):  # -> [Hkv, B * W * ps, D]
+        x = pages[page_table.reshape(-1)]  # [B * W, Hkv, ps, D]
+        return jnp.swapaxes(x, 0, 1).reshape(num_kv_heads, -1, head_dim)
+
+    k, v = gather(k_pages).astype(jnp.float32), gather(v_pages).astype(jnp.float32)
+    slot = jnp.arange(num_seqs * width * page_size)
+    key_seq, key_pos = slot // (width * page_size), slot % (width * page_size)
+    mask = ((key_seq[None, :] == seq[:, None]) & (key_pos[None, :] <= pos[:, None])
+            & (key_pos[None, :] < kv_lens[seq][:, None]) & valid[:, None])  # [T, S]
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    s = jnp.einsum("thgd,hsd->thgs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :], s, c.MASK_VALUE)
+    p = jnp.exp(s - s.max(axis=-1, keepdims=True))
+    p = jnp.where(mask[:, None, None, :], p, 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("thgs,hsd->thgd", p, v)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "backend", "block_q", "pages_per_block", "num_warps", "num_stages"))
+def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
+                            sm_scale=None, backend="auto", block_q=None, pages_per_block=None,
+                            num_warps=4, num_stages=2):
+    """Causal attention of packed new tokens over their sequences' pages.
+
+    q [T, Hq, D] packed new tokens (T may exceed cu_q_lens[-1]; padded rows return zeros);
+    k_pages, v_pages [P, Hkv, page_size, D]; page_table int32 [B, W];
+    cu_q_lens int32 [B + 1] offsets of each sequence's new tokens; kv_lens int32 [B] cached
+    prefix + new tokens. Returns [T, Hq, D] in q's dtype with fp32 accumulation.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    c.check_pages("q", q, k_pages, v_pages)
+    for name, x in (("page_table", page_table), ("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens)):
+        c.check_int32(name, x)
+    if page_table.ndim != 2:
+        raise ValueError(f"page_table must be [B, W], got shape {page_table.shape}")
+    num_seqs = page_table.shape[0]
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be [B={num_seqs}], got shape {kv_lens.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [B+1={num_seqs + 1}], got shape {cu_q_lens.shape}")
+    backend = c.resolve_backend(backend)
+    scale = c.default_scale(sm_scale, q.shape[-1])
+    if backend == "xla":
+        return paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
+                                       sm_scale=scale)
+    c.check_kernel_shapes(k_pages.shape[2], q.shape[-1])
+    return _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=scale,
+                           block_q=block_q, pages_per_block=pages_per_block,
+                           num_warps=num_warps, num_stages=num_stages,
+                           interpret=backend == "interpret")

@@ -1,0 +1,194 @@
+"""Paged decode/prefill kernels (interpret mode and the xla path) vs a dense numpy attention."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import (paged_decode_attention, paged_prefill_attention, write_kv,
+                            write_kv_jit)
+from tests.dense_reference import dense_attention, gather_tokens
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def random_pool(rng, num_pages, num_kv_heads, page_size, head_dim, dtype):
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    return k, v
+
+
+def random_page_table(rng, num_seqs, width, num_pages):
+    """Distinct, randomly permuted pages (never the null page 0)."""
+    pages = rng.permutation(np.arange(1, num_pages))[: num_seqs * width]
+    return pages.reshape(num_seqs, width).astype(np.int32)
+
+
+def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = [1, 2 * page_size, 2 * page_size + 3, 0]  # single token, exact pages, ragged, pad
+    width = 4
+    num_pages = len(lens) * width + 3
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    table = random_page_table(rng, len(lens), width, num_pages)
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, head_dim)), dtype)
+    out = paged_decode_attention(q, k_pages, v_pages, jnp.asarray(table),
+                                 jnp.asarray(lens, jnp.int32), backend=backend)
+    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    qf = np.asarray(q, np.float64)
+    for b, n in enumerate(lens):
+        ref = dense_attention(qf[b:b + 1], gather_tokens(kf, table[b], n),
+                              gather_tokens(vf, table[b], n), [n - 1], head_dim ** -0.5)
+        np.testing.assert_allclose(np.asarray(out[b], np.float64), ref[0], **TOL[dtype])
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+
+
+def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0):
+    rng = np.random.default_rng(seed)
+    q_lens = [page_size + 3, 1, 2 * page_size]  # ragged, single token, exact pages
+    cached_lens = [page_size, 2 * page_size, page_size] if cached else [0, 0, 0]
+    kv_lens = [c + n for c, n in zip(cached_lens, q_lens)]
+    width = max(-(-n // page_size) for n in kv_lens) + 1
+    num_pages = len(q_lens) * width + 2
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    table = random_page_table(rng, len(q_lens), width, num_pages)
+    total = sum(q_lens)
+    padded = total + 5  # padded T
+    q = jnp.asarray(rng.standard_normal((padded, hq, head_dim)), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(cu),
+                                  jnp.asarray(kv_lens, jnp.int32), backend=backend)
+    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    qf = np.asarray(q, np.float64)
+    for b in range(len(q_lens)):
+        rows = slice(cu[b], cu[b + 1])
+        pos = np.arange(cached_lens[b], kv_lens[b])
+        ref = dense_attention(qf[rows], gather_tokens(kf, table[b], kv_lens[b]),
+                              gather_tokens(vf, table[b], kv_lens[b]), pos, head_dim ** -0.5)
+        np.testing.assert_allclose(np.asarray(out[rows], np.float64), ref, **TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0.0)
+
+
+PAGE_SIZES = (8, 16, 32)
+GQA = ((4, 4), (8, 2), (8, 1))  # (Hq, Hkv): group 1, 4, 8
+HEAD_DIMS = (64, 128)
+# The xla path runs the full grid; interpret mode (slow) covers every value of every axis.
+FULL_GRID = list(itertools.product(PAGE_SIZES, GQA, HEAD_DIMS))
+INTERPRET_GRID = [(8, (4, 4), 64), (16, (8, 2), 128), (32, (8, 1), 64), (16, (8, 1), 64)]
+
+
+@pytest.mark.parametrize("page_size,heads,head_dim", FULL_GRID)
+def test_decode_xla(page_size, heads, head_dim):
+    decode_case("xla", page_size, *heads, head_dim, jnp.float32)
+
+
+@pytest.mark.parametrize("page_size,heads,head_dim", INTERPRET_GRID)
+def test_decode_interpret(page_size, heads, head_dim):
+    decode_case("interpret", page_size, *heads, head_dim, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_decode_bf16(backend):
+    decode_case(backend, 16, 8, 2, 64, jnp.bfloat16, seed=1)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("page_size,heads,head_dim", FULL_GRID)
+def test_prefill_xla(page_size, heads, head_dim, cached):
+    prefill_case("xla", page_size, *heads, head_dim, jnp.float32, cached)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("page_size,heads,head_dim", INTERPRET_GRID)
+def test_prefill_interpret(page_size, heads, head_dim, cached):
+    prefill_case("interpret", page_size, *heads, head_dim, jnp.float32, cached)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_prefill_bf16(backend):
+    prefill_case(backend, 16, 8, 2, 64, jnp.bfloat16, cached=True, seed=2)
+
+
+def test_decode_split_k_merge_matches_single_split():
+    """Many splits (most empty for short rows) give the same result as one split."""
+    rng = np.random.default_rng(3)
+    k_pages, v_pages = random_pool(rng, 40, 2, 8, 64, jnp.float32)
+    table = jnp.asarray(random_page_table(rng, 2, 16, 40))
+    lens = jnp.asarray([3, 120], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    one = paged_decode_attention(q, k_pages, v_pages, table, lens, backend="interpret",
+                                 num_splits=1, pages_per_block=2)
+    many = paged_decode_attention(q, k_pages, v_pages, table, lens, backend="interpret",
+                                  num_splits=8, pages_per_block=1)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(many), atol=2e-5, rtol=2e-5)
+
+
+def test_write_kv_matches_numpy_and_drops_padding():
+    rng = np.random.default_rng(4)
+    k_pages, v_pages = random_pool(rng, 10, 2, 4, 8, jnp.float32)
+    table = np.array([[3, 7, 0], [5, 2, 9]], np.int32)
+    seq = np.array([0, 0, 1, 1, 0], np.int32)
+    pos = np.array([0, 5, 11, 2, -1], np.int32)  # last token is padding
+    k_new = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    v_new = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    want_k, want_v = np.array(k_pages), np.array(v_pages)
+    for t in range(4):
+        page = table[seq[t], pos[t] // 4]
+        want_k[page, :, pos[t] % 4] = k_new[t]
+        want_v[page, :, pos[t] % 4] = v_new[t]
+    args = (jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(table), jnp.asarray(seq),
+            jnp.asarray(pos))
+    k_out, v_out = write_kv(k_pages, v_pages, *args)
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    k_don, v_don = write_kv_jit(jnp.array(k_pages), jnp.array(v_pages), *args)
+    np.testing.assert_array_equal(np.asarray(k_don), want_k)
+
+
+class TestBadInput:
+    def setup_method(self):
+        self.k = jnp.zeros((8, 2, 16, 64), jnp.float32)
+        self.q = jnp.zeros((2, 4, 64), jnp.float32)
+        self.table = jnp.zeros((2, 3), jnp.int32)
+        self.lens = jnp.ones((2,), jnp.int32)
+
+    def test_head_dim_mismatch(self):
+        with pytest.raises(ValueError, match="head_dim"):
+            paged_decode_attention(jnp.zeros((2, 4, 32)), self.k, self.k, self.table, self.lens)
+
+    def test_gqa_not_multiple(self):
+        with pytest.raises(ValueError, match="multiple of Hkv"):
+            paged_decode_attention(jnp.zeros((2, 3, 64)), self.k, self.k, self.table, self.lens)
+
+    def test_index_dtype(self):
+        with pytest.raises(ValueError, match="page_table must be int32"):
+            paged_decode_attention(self.q, self.k, self.k, self.table.astype(jnp.float32),
+                                   self.lens)
+        with pytest.raises(ValueError, match="cu_q_lens must be int32"):
+            paged_prefill_attention(jnp.zeros((4, 4, 64)), self.k, self.k, self.table,
+                                    jnp.zeros((3,), jnp.int64 if jax.config.x64_enabled
+                                              else jnp.uint32), self.lens)
+
+    def test_batch_mismatch(self):
+        with pytest.raises(ValueError, match="seq_lens"):
+            paged_decode_attention(self.q, self.k, self.k, self.table, jnp.ones((3,), jnp.int32))
+        with pytest.raises(ValueError, match="cu_q_lens"):
+            paged_prefill_attention(jnp.zeros((4, 4, 64)), self.k, self.k, self.table,
+                                    jnp.zeros((2,), jnp.int32), self.lens)
+
+    def test_v_pages_shape(self):
+        with pytest.raises(ValueError, match="v_pages"):
+            paged_decode_attention(self.q, self.k, self.k[:4], self.table, self.lens)
+
+    def test_page_size_power_of_two_for_kernel(self):
+        k = jnp.zeros((8, 2, 12, 64), jnp.float32)
+        with pytest.raises(ValueError, match="page_size must be a power of two"):
+            paged_decode_attention(self.q, k, k, self.table, self.lens, backend="interpret")
+        # the xla reference has no such restriction
+        paged_decode_attention(self.q, k, k, self.table, self.lens, backend="xla")
+
+    def test_unknown_backend(self):
+        with pytest.raises(ValueError, match="backend"):
+            paged_decode_attention(self.q, self.k, self.k, self.table, self.lens, backend="tpu")
