@@ -1,0 +1,17 @@
+"""Typed errors. Each names what was asked and what the state was."""
+
+
+class VersionError(ValueError):
+    """A policy version went backwards, or is not a non-negative integer."""
+
+
+class StalenessError(RuntimeError):
+    """A batch's behavior version lags the trainer by more than max_policy_lag."""
+
+
+class CacheFullError(RuntimeError):
+    """The KV page pool cannot hold a request, even after evicting every unpinned cached page."""
+
+
+class PinnedPagesError(RuntimeError):
+    """Invalidation refused: live requests still hold pages of the versions to drop."""

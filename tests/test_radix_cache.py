@@ -1,0 +1,205 @@
+"""Radix cache and page allocator: unit edge cases and a stateful property test."""
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from jaxrl_cache.errors import CacheFullError, PinnedPagesError
+from jaxrl_cache.radix_cache import RadixCache
+
+PS = 4
+
+
+def toks(*chunks):
+    return [t for c in chunks for t in c]
+
+
+def run_request(cache, version, tokens, extra_pages=0):
+    """match + alloc + insert of every full page; returns the pages the request holds."""
+    m = cache.match(version, tokens)
+    n_full = len(tokens) // PS
+    own = cache.alloc(n_full - m.pages.size + extra_pages)
+    held = np.concatenate([m.pages, own])
+    cache.insert(version, tokens, held[:n_full])
+    return m, held
+
+
+class TestUnits:
+    def test_prompt_shorter_than_a_page_is_never_cached(self):
+        cache = RadixCache(8, PS)
+        m, held = run_request(cache, 0, [1, 2, 3], extra_pages=1)
+        assert m.num_tokens == 0 and cache.stats().cached_pages_by_version == {0: 0}
+        cache.release(held)
+        assert cache.stats().free_pages == 7
+        cache.check_invariants()
+
+    def test_exact_page_multiple_and_prefix_of_another(self):
+        cache = RadixCache(16, PS)
+        a = list(range(8))  # exactly two pages
+        _, held = run_request(cache, 0, a)
+        cache.release(held)
+        longer = a + [9, 9, 9, 9, 7]
+        m = cache.match(0, longer)
+        assert m.num_tokens == 8 and list(m.pages) == list(held)
+        cache.release(m.pages)
+        m = cache.match(0, a[:6])  # a prefix of a cached prompt: one full page
+        assert m.num_tokens == 4 and m.pages[0] == held[0]
+        cache.release(m.pages)
+        cache.check_invariants()
+
+    def test_versions_are_separate_namespaces(self):
+        cache = RadixCache(16, PS)
+        _, held = run_request(cache, 0, list(range(8)))
+        cache.release(held)
+        assert cache.match(1, list(range(8))).num_tokens == 0
+        assert cache.match(0, list(range(8))).num_tokens == 8
+
+    def test_eviction_is_lru_and_leaf_first(self):
+        cache = RadixCache(7, PS)  # 6 usable pages
+        _, a = run_request(cache, 0, toks([1] * 4, [2] * 4, [3] * 4))  # path of 3
+        cache.release(a)
+        _, b = run_request(cache, 0, toks([5] * 4, [6] * 4))  # newer path of 2
+        cache.release(b)
+        fresh = cache.alloc(2)  # 1 free + must evict 1: the LRU leaf, a's last page
+        assert cache.stats().evicted_pages == 1
+        assert cache.match(0, toks([1] * 4, [2] * 4, [3] * 4)).num_tokens == 8  # middle kept
+        cache.release(cache.match(0, [5] * 4 + [6] * 4).pages)
+        cache.release(fresh)
+        cache.check_invariants()
+
+    def test_pool_exhaustion_raises_and_changes_nothing(self):
+        cache = RadixCache(5, PS)
+        m, held = run_request(cache, 0, list(range(8)), extra_pages=1)  # 3 pinned
+        before = cache.pool.refcount.copy()
+        with pytest.raises(CacheFullError, match="need 2 KV pages but only 1"):
+            cache.alloc(2)
+        np.testing.assert_array_equal(cache.pool.refcount, before)
+        cache.release(held)
+        assert len(cache.alloc(4)) == 4  # evicts the two cached pages
+        cache.check_invariants()
+
+    def test_duplicate_insert_is_released_back(self):
+        cache = RadixCache(16, PS)
+        tokens = list(range(8))
+        _, first = run_request(cache, 0, tokens)
+        second = cache.alloc(2)
+        assert cache.insert(0, tokens, second) == 0
+        cache.release(second)
+        cache.release(first)
+        s = cache.stats()
+        assert s.cached_pages == 2 and s.free_pages == 13
+        cache.check_invariants()
+
+    def test_invalidate_frees_older_versions_only(self):
+        cache = RadixCache(16, PS)
+        for v in (0, 1, 2):
+            _, held = run_request(cache, v, [v] * 8)
+            cache.release(held)
+        assert cache.invalidate_before(2) == 4
+        assert cache.versions() == [2]
+        assert cache.stats().invalidated_pages == 4
+        cache.check_invariants()
+
+    def test_invalidate_while_pinned_raises_and_changes_nothing(self):
+        cache = RadixCache(16, PS)
+        _, held = run_request(cache, 0, list(range(8)))
+        before = (cache.pool.refcount.copy(), cache.versions())
+        with pytest.raises(PinnedPagesError, match="held by live requests"):
+            cache.invalidate_before(1)
+        np.testing.assert_array_equal(cache.pool.refcount, before[0])
+        assert cache.versions() == before[1]
+        cache.release(held)
+        assert cache.invalidate_before(1) == 2
+
+    def test_release_of_unheld_page_raises_and_changes_nothing(self):
+        cache = RadixCache(8, PS)
+        pages = cache.alloc(1)
+        cache.release(pages)
+        with pytest.raises(ValueError, match="not held"):
+            cache.release(pages)
+        cache.check_invariants()
+
+
+SYSTEM = toks([7] * PS, [8] * PS)  # a shared two-page system prefix
+PROMPTS = [SYSTEM + [1] * 5, SYSTEM + [1] * 4 + [2] * 4, SYSTEM + [2] * 9, [3] * 12, SYSTEM,
+           SYSTEM + [1] * 4 + [2] * 4 + [5]]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random request lifecycles across versions; accounting checked after every step."""
+    requests = Bundle("requests")
+
+    def __init__(self):
+        super().__init__()
+        self.cache = RadixCache(20, PS)
+        self.written_by = {}  # page -> version whose params wrote its KV (oracle)
+        self.live = {}
+        self.next_id = 0
+        self.min_version = 0
+
+    @rule(target=requests, version=st.integers(0, 3), prompt=st.sampled_from(PROMPTS),
+          extra=st.integers(0, 3))
+    def start(self, version, prompt, extra):
+        version = max(version, self.min_version)
+        m = self.cache.match(version, prompt)
+        for p in m.pages:
+            assert self.written_by[int(p)] == version, "match crossed versions"
+        need = len(prompt) // PS - m.pages.size + extra
+        before = self.cache.pool.refcount.copy()
+        try:
+            own = self.cache.alloc(need)
+        except CacheFullError:
+            np.testing.assert_array_equal(self.cache.pool.refcount, before)
+            self.cache.release(m.pages)
+            return None
+        for p in own:
+            self.written_by[int(p)] = version  # this request writes their KV
+        rid = self.next_id
+        self.next_id += 1
+        self.live[rid] = (version, prompt, np.concatenate([m.pages, own]))
+        return rid
+
+    @rule(rid=requests)
+    def insert(self, rid):
+        if rid in self.live:
+            version, prompt, held = self.live[rid]
+            self.cache.insert(version, prompt, held[:len(prompt) // PS])
+
+    @rule(rid=requests)
+    def finish(self, rid):
+        if rid in self.live:
+            self.cache.release(self.live.pop(rid)[2])
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        before = self.cache.stats().cached_pages
+        assert self.cache.evict(n) == min(n, before)
+
+    @rule(version=st.integers(0, 4))
+    def invalidate(self, version):
+        stale_pages = sum(n for v, n in self.cache.stats().cached_pages_by_version.items()
+                          if v < version)
+        pinned = any(v < version and (held.size and
+                                      self.cache._in_trie[held].any())
+                     for v, _, held in self.live.values())
+        before = (self.cache.pool.refcount.copy(), self.cache.versions())
+        try:
+            assert self.cache.invalidate_before(version) == stale_pages
+            assert not pinned, "invalidation succeeded while stale pages were pinned"
+            self.min_version = max(self.min_version, version)
+        except PinnedPagesError:
+            assert pinned
+            np.testing.assert_array_equal(self.cache.pool.refcount, before[0])
+            assert self.cache.versions() == before[1]
+
+    @invariant()
+    def accounting(self):
+        self.cache.check_invariants()
+        held = sum(h.size for _, _, h in self.live.values())
+        ref = self.cache.pool.refcount
+        assert ref.sum() == held + self.cache._in_trie.sum()
+
+
+CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                          deadline=None)
+TestCacheMachine = CacheMachine.TestCase
