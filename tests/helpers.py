@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny model with varied (non-degenerate) random weights."""
+import jax
+import jax.numpy as jnp
+
+from jaxrl_cache.model import ModelConfig, forward, init_params
+
+CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
+
+
+def varied_params(seed: int, config: ModelConfig = CONFIG):
+    """Random params scaled up so greedy decoding does not collapse to one token."""
+    params = init_params(config, jax.random.key(seed))
+    return jax.tree.map(lambda x: x * 12.0 if x.ndim == 2 else x, params)
+
+
+_dense_forward = jax.jit(forward, static_argnums=1)
+
+
+def dense_logits(params, config, seq):
+    """Dense forward of one sequence, padded to max_seq_len (causal: padding is invisible)."""
+    padded = jnp.zeros((1, config.max_seq_len), jnp.int32).at[0, :len(seq)].set(
+        jnp.asarray(seq, jnp.int32))
+    return _dense_forward(params, config, padded)[0, :len(seq)]
+
+
+def dense_greedy(params, config, prompt, steps):
+    """Reference: greedy decoding with the dense forward. Returns (tokens, log-softmax at them)."""
+    seq, logps = list(prompt), []
+    for _ in range(steps):
+        logits = dense_logits(params, config, seq)[-1]
+        tok = int(jnp.argmax(logits))
+        logps.append(float(jax.nn.log_softmax(logits)[tok]))
+        seq.append(tok)
+    return seq[len(prompt):], logps
