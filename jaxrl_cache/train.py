@@ -1,0 +1,183 @@
+"""Policy versions through training: TrainState, GRPO batches and the clipped PG train step.
+
+The version is the number of optimizer updates applied. `train_step` returns it incremented
+and evaluates the learning-rate schedule at the input version, the update count before this
+update (optax's convention), so lr(update k) = schedule(k) for k = 0, 1, 2, ...
+The optimizer `tx` is the learning-rate-free direction (e.g. `make_optimizer()`: clip, Adam,
+weight decay); the step scales its output by -schedule(version). Every `count` inside the
+optimizer state equals the version at all times; checkpoints verify it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax import tree_utils as otu
+
+from jaxrl_cache.engine import RolloutBatch
+from jaxrl_cache.errors import StalenessError
+from jaxrl_cache.model import ModelConfig, forward
+from jaxrl_cache.sampling import behavior_log_probs
+from jaxrl_cache.versioning import as_version
+from kernels_pallas._common import next_power_of_2
+
+
+def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.99) -> optax.GradientTransformation:
+    """The learning-rate-free optimizer direction used by `train_step`."""
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.scale_by_adam(b1=b1, b2=b2),
+                       optax.add_decayed_weights(weight_decay))
+
+
+def optimizer_counts(opt_state) -> list[int]:
+    return [int(c) for _, c in otu.tree_get_all_with_path(opt_state, "count")]
+
+
+@flax.struct.dataclass
+class TrainState:
+    params: dict
+    opt_state: optax.OptState
+    version: jax.Array  # int32 [] = optimizer updates applied
+    tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    lr_schedule: Callable = flax.struct.field(pytree_node=False)
+    config: ModelConfig = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, params, tx: optax.GradientTransformation | None = None, *,
+               config: ModelConfig, lr_schedule: Callable | float = 1e-3,
+               version=0) -> "TrainState":
+        """A fresh optimizer state at `version` (its counts set to that version)."""
+        version = as_version(version)
+        tx = tx or make_optimizer()
+        schedule = lr_schedule if callable(lr_schedule) else optax.constant_schedule(lr_schedule)
+        opt_state = tx.init(params)
+        if otu.tree_get_all_with_path(opt_state, "count"):
+            opt_state = otu.tree_set(opt_state, count=jnp.asarray(version, jnp.int32))
+        return cls(params=params, opt_state=opt_state, version=jnp.asarray(version, jnp.int32),
+                   tx=tx, lr_schedule=schedule, config=config)
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    tokens: jax.Array  # int32 [N, L] prompt + output, right-padded
+    loss_mask: jax.Array  # f32 [N, L-1] 1 where position t predicts an output token t+1
+    behavior_logprobs: jax.Array  # f32 [N, L-1] aligned with targets tokens[:, 1:]
+    advantages: jax.Array  # f32 [N]
+    behavior_version: jax.Array  # int32 [N]
+    temperature: jax.Array  # f32 []
+    top_p: jax.Array  # f32 []
+    top_k: jax.Array  # int32 []
+
+
+def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """GRPO: (r - group mean) / (group std + eps). rewards, groups [N] -> [N]."""
+    rewards = np.asarray(rewards, np.float64)
+    out = np.zeros_like(rewards)
+    for g in np.unique(groups):
+        idx = groups == g
+        r = rewards[idx]
+        out[idx] = (r - r.mean()) / (r.std() + eps)
+    return out.astype(np.float32)
+
+
+def make_batch(rollouts: RolloutBatch, rewards, *, length: int | None = None) -> TrainBatch:
+    """Samples + scalar rewards [N] -> a TrainBatch. Groups are the n samples of a prompt.
+
+    length: padded sequence length (default: next power of two of the longest sample, so
+    repeated steps reuse one compilation).
+    """
+    samples = rollouts.samples
+    rewards = np.asarray(rewards, np.float32)
+    if rewards.shape != (len(samples),):
+        raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
+    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    length = length or next_power_of_2(longest)
+    if length < longest:
+        raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
+    n = len(samples)
+    tokens = np.zeros((n, length), np.int32)
+    mask = np.zeros((n, length - 1), np.float32)
+    behavior = np.zeros((n, length - 1), np.float32)
+    for i, s in enumerate(samples):
+        p, o = len(s.prompt_ids), len(s.output_ids)
+        tokens[i, :p + o] = s.prompt_ids + s.output_ids
+        mask[i, p - 1:p - 1 + o] = 1.0
+        behavior[i, p - 1:p - 1 + o] = s.output_logprobs
+    groups = np.array([s.group for s in samples])
+    sp = rollouts.sampling
+    return TrainBatch(
+        tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
+        behavior_logprobs=jnp.asarray(behavior),
+        advantages=jnp.asarray(group_advantages(rewards, groups)),
+        behavior_version=jnp.asarray([s.behavior_version for s in samples], jnp.int32),
+        temperature=jnp.float32(sp.temperature), top_p=jnp.float32(sp.top_p),
+        top_k=jnp.int32(sp.top_k))
+
+
+def policy_log_probs(params, config, batch: TrainBatch):
+    """Log-probs [N, L-1] of each next token under the batch's sampling distribution."""
+    logits = forward(params, config, batch.tokens)[:, :-1]
+    logp = behavior_log_probs(logits, batch.temperature, batch.top_p, batch.top_k)
+    logp = jnp.take_along_axis(logp, batch.tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.maximum(logp, -1e4)  # a token outside a new top-k/top-p gets ratio ~0, not NaN
+
+
+def pg_loss(params, config, batch: TrainBatch, clip_eps: float, dual_clip: float | None):
+    """PPO-clip surrogate with the ratio against the behavior policy, token-mean."""
+    logp = policy_log_probs(params, config, batch)
+    ratio = jnp.exp(logp - batch.behavior_logprobs)
+    adv = batch.advantages[:, None]
+    surrogate = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps))
+    if dual_clip is not None:  # bounds the importance weight on negative advantages
+        surrogate = jnp.where(adv < 0, jnp.minimum(surrogate, -dual_clip * adv), surrogate)
+    mask = batch.loss_mask
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    loss = (surrogate * mask).sum() / tokens
+    clipped = (jnp.abs(ratio - 1) > clip_eps) * mask
+    aux = dict(ratio_mean=(ratio * mask).sum() / tokens,
+               ratio_max=jnp.where(mask > 0, ratio, 0).max(),
+               clip_fraction=clipped.sum() / tokens, tokens=mask.sum())
+    return loss, aux
+
+
+@functools.partial(jax.jit, static_argnames=("clip_eps", "dual_clip"))
+def _train_core(state: TrainState, batch: TrainBatch, clip_eps: float, dual_clip):
+    (loss, aux), grads = jax.value_and_grad(pg_loss, has_aux=True)(
+        state.params, state.config, batch, clip_eps, dual_clip)
+    lr = state.lr_schedule(state.version)
+    direction, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params,
+                                 jax.tree.map(lambda u: -lr * u, direction))
+    version = state.version + 1
+    staleness = state.version - batch.behavior_version
+    metrics = dict(loss=loss, lr=jnp.asarray(lr, jnp.float32), version=version,
+                   grad_norm=optax.tree.norm(grads), staleness_max=staleness.max(),
+                   staleness_mean=staleness.mean(), **aux)
+    return state.replace(params=params, opt_state=opt_state, version=version), metrics
+
+
+def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | None = None,
+               clip_eps: float = 0.2, dual_clip: float | None = None):
+    """One optimizer update. Returns (state with version + 1, metrics).
+
+    Raises StalenessError before any work if a sample's behavior version lags the state's
+    version by more than max_policy_lag (None = no limit), or is newer than the state.
+    """
+    if max_policy_lag is not None:
+        lag = int(state.version) - int(jnp.min(batch.behavior_version))
+        if lag > max_policy_lag:
+            raise StalenessError(
+                f"batch behavior version {int(jnp.min(batch.behavior_version))} is {lag} "
+                f"updates behind the trainer (version {int(state.version)}); "
+                f"max_policy_lag={max_policy_lag}")
+    if int(jnp.max(batch.behavior_version)) > int(state.version):
+        raise StalenessError(f"batch has samples from version "
+                             f"{int(jnp.max(batch.behavior_version))}, newer than the trainer "
+                             f"({int(state.version)})")
+    return _train_core(state, batch, clip_eps, dual_clip)
