@@ -73,6 +73,12 @@ class WeightAck:
     cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
 
 
+def _bucket_pages(n: int) -> int:
+    """Page-table width bucket: powers of two up to 8, then multiples of 8 (less padding
+    than powers of two, still few distinct shapes)."""
+    return next_power_of_2(n) if n <= 8 else -(-n // 8) * 8
+
+
 def _tree_identity(tree) -> tuple:
     return tuple(id(x) for x in jax.tree.leaves(tree))
 
@@ -248,7 +254,7 @@ class RolloutEngine:
                     partial_page = mine[0]  # prefill writes the partial prompt page here
                 elif len(groups[g]) % ps:
                     copies.append((partial_page, mine[0]))
-        width = next_power_of_2(max(len(r) for r in row_pages))
+        width = _bucket_pages(max(len(r) for r in row_pages))
 
         # ---- paged prefill of each group's uncached prompt tokens (packed)
         q_lens = [len(p) - c for p, (c, _, _) in zip(groups, plan)]

@@ -10,7 +10,7 @@ optimizer state equals the version at all times; checkpoints verify it.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
@@ -86,13 +86,22 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6)
     return out.astype(np.float32)
 
 
-def make_batch(rollouts: RolloutBatch, rewards, *, length: int | None = None) -> TrainBatch:
-    """Samples + scalar rewards [N] -> a TrainBatch. Groups are the n samples of a prompt.
+def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
+               length: int | None = None) -> TrainBatch:
+    """Samples of one or more rollout batches + scalar rewards [N] -> a TrainBatch.
 
-    length: padded sequence length (default: next power of two of the longest sample, so
-    repeated steps reuse one compilation).
+    Groups (for advantages) are the n samples of one prompt of one rollout call. All batches
+    must share sampling parameters. length: padded sequence length (default: next power of
+    two of the longest sample, so repeated steps reuse one compilation).
     """
-    samples = rollouts.samples
+    batches = [rollouts] if isinstance(rollouts, RolloutBatch) else list(rollouts)
+    if not batches:
+        raise ValueError("make_batch needs at least one rollout batch")
+    sp = batches[0].sampling
+    if any(b.sampling != sp for b in batches):
+        raise ValueError("all rollout batches of a training batch must share SamplingParams")
+    samples = [s for b in batches for s in b.samples]
+    groups = np.array([(k << 32) + s.group for k, b in enumerate(batches) for s in b.samples])
     rewards = np.asarray(rewards, np.float32)
     if rewards.shape != (len(samples),):
         raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
@@ -109,8 +118,6 @@ def make_batch(rollouts: RolloutBatch, rewards, *, length: int | None = None) ->
         tokens[i, :p + o] = s.prompt_ids + s.output_ids
         mask[i, p - 1:p - 1 + o] = 1.0
         behavior[i, p - 1:p - 1 + o] = s.output_logprobs
-    groups = np.array([s.group for s in samples])
-    sp = rollouts.sampling
     return TrainBatch(
         tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
         behavior_logprobs=jnp.asarray(behavior),

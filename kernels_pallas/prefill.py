@@ -56,21 +56,44 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
     o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _token_layout(cu_q_lens, kv_lens, num_tokens):
-    """Per packed token: its sequence, its position, whether it is real. All [T] int32/bool."""
-    tok = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, kv_lens.shape[0] - 1)
-    valid = tok < cu_q_lens[-1]
+def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int):
+    """Maps query tiles of block_q tokens to sequences.
+
+    Uses a static upper bound of cdiv(T, block_q) + B tiles; the surplus tiles have kv_len 0
+    and do no work. Returns tile_seq int32 [NT], q_pos0 int32 [NT] (position of the tile's
+    first token), kv_len int32 [NT], src int32 [NT, block_q] (packed row of each tile row;
+    num_tokens for rows past a sequence's end).
+    """
+    num_seqs = kv_lens.shape[0]
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    pos = kv_lens[seq] - q_lens[seq] + (tok - cu_q_lens[seq])
-    return seq.astype(jnp.int32), pos.astype(jnp.int32), valid
+    tiles_per_seq = pl.cdiv(q_lens, block_q)
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.clip(jnp.searchsorted(tile_end, tile, side="right"), 0, num_seqs - 1)
+    tile_real = tile < tile_end[-1]
+    tile_q0 = (tile - (tile_end - tiles_per_seq)[tile_seq]) * block_q  # offset in the sequence
+    j = jnp.arange(block_q)
+    row_real = tile_real[:, None] & (tile_q0[:, None] + j[None, :] < q_lens[tile_seq][:, None])
+    src = jnp.where(row_real, cu_q_lens[tile_seq][:, None] + tile_q0[:, None] + j[None, :],
+                    num_tokens)
+    q_pos0 = kv_lens[tile_seq] - q_lens[tile_seq] + tile_q0
+    kv_len = jnp.where(tile_real, kv_lens[tile_seq], 0)
+    return (tile_seq.astype(jnp.int32), q_pos0.astype(jnp.int32), kv_len.astype(jnp.int32),
+            src.astype(jnp.int32))
+
+
+def _scatter_tiles(out, src, num_tokens: int):
+    """out [NT, block_q, Hq, D] -> packed [T, Hq, D]; rows with src == T are dropped."""
+    packed = jnp.zeros((num_tokens + 1,) + out.shape[2:], out.dtype)
+    return packed.at[src.reshape(-1)].set(out.reshape((-1,) + out.shape[2:]),
+                                          mode="drop")[:num_tokens]
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q,
                     pages_per_block, num_warps, num_stages, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
-    num_seqs = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     group_rows = c.next_power_of_2(group)
     if block_q is None:
@@ -85,30 +108,16 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_s
         raise ValueError(
             f"block_q * G_pad = {rows} and pages_per_block * page_size = "
             f"{pages_per_block * page_size} must be >= 16 for the compiled kernel")
-    width = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block
+    width = c.next_power_of_2(max(page_table.shape[1], pages_per_block))  # Triton: power of 2
     page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
 
-    # Map query tiles to (sequence, first token): a static upper bound of tiles, the excess
-    # ones point at no sequence (kv_len 0) and do no work.
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    tiles_per_seq = pl.cdiv(q_lens, block_q)
-    tile_end = jnp.cumsum(tiles_per_seq)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.clip(jnp.searchsorted(tile_end, tile, side="right"), 0, num_seqs - 1)
-    tile_real = tile < tile_end[-1]
-    tile_q0 = (tile - (tile_end - tiles_per_seq)[tile_seq]) * block_q  # offset in the sequence
-    info = jnp.stack([
-        kv_lens[tile_seq] - q_lens[tile_seq] + tile_q0,
-        jnp.where(tile_real, kv_lens[tile_seq], 0),
-        jnp.zeros_like(tile), jnp.zeros_like(tile)], axis=1).astype(jnp.int32)  # [NT, 4]
+    tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
+    num_tiles = tile_seq.shape[0]
+    zeros = jnp.zeros_like(tile_seq)
+    info = jnp.stack([q_pos0, kv_len, zeros, zeros], axis=1)  # [NT, 4]
     tile_pages = page_table[tile_seq]  # [NT, W]
 
     # Gather q into [NT, Hkv, block_q * G_pad, D]; rows past a sequence's end are zeros.
-    j = jnp.arange(block_q)
-    src = cu_q_lens[tile_seq][:, None] + tile_q0[:, None] + j[None, :]  # [NT, block_q]
-    row_real = tile_real[:, None] & (tile_q0[:, None] + j[None, :] < q_lens[tile_seq][:, None])
-    src = jnp.where(row_real, src, num_tokens)
     qg = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src]  # [NT, block_q, Hq, D]
     qg = qg.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, group_rows - group), (0, 0)))
@@ -133,46 +142,49 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_s
         name="paged_prefill_attention",
     )(qg, k_pages, v_pages, tile_pages, info)
 
-    # Scatter the tiles back to packed token order.
     out = out.reshape(num_tiles, num_kv_heads, block_q, group_rows, head_dim)
-    out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
-    packed = jnp.zeros((num_tokens + 1, num_q_heads, head_dim), q.dtype)
-    return packed.at[src.reshape(-1)].set(out, mode="drop")[:num_tokens]
+    out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [NT, block_q, Hkv, G, D]
+    return _scatter_tiles(out.reshape(num_tiles, block_q, num_q_heads, head_dim), src,
+                          num_tokens)
 
 
 def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
-                            sm_scale=None):
+                            sm_scale=None, block_q: int = 32):
     """Pure-jnp paged prefill (the `xla` backend).
 
-    Gathers every sequence's pages once into one key axis of B * W * page_size slots and
-    masks each packed query to its own sequence's causal window. Cost O(T * B * W * ps), fine
-    for the CPU demo's few sequences per call. Shapes as `paged_prefill_attention`.
+    Query tiles of block_q tokens each gather their sequence's pages once and run a dense
+    masked attention; memory O(T / block_q * W * page_size), fine on CPU for the demo.
+    Shapes as `paged_prefill_attention`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
-    num_seqs, width = page_table.shape
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
-    seq, pos, valid = _token_layout(cu_q_lens, kv_lens, num_tokens)
+    block_q = min(block_q, c.next_power_of_2(num_tokens))
+    tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
+    num_tiles = tile_seq.shape[0]
 
-    def gather(pages):  # -> [Hkv, B * W * ps, D]
-        x = pages[page_table.reshape(-1)]  # [B * W, Hkv, ps, D]
-        return jnp.swapaxes(x, 0, 1).reshape(num_kv_heads, -1, head_dim)
+    def gather(pages):  # -> [NT, Hkv, W * ps, D] f32
+        x = pages[page_table[tile_seq]]  # [NT, W, Hkv, ps, D]
+        return jnp.swapaxes(x, 1, 2).reshape(num_tiles, num_kv_heads, -1, head_dim).astype(
+            jnp.float32)
 
-    k, v = gather(k_pages).astype(jnp.float32), gather(v_pages).astype(jnp.float32)
-    slot = jnp.arange(num_seqs * width * page_size)
-    key_seq, key_pos = slot // (width * page_size), slot % (width * page_size)
-    mask = ((key_seq[None, :] == seq[:, None]) & (key_pos[None, :] <= pos[:, None])
-            & (key_pos[None, :] < kv_lens[seq][:, None]) & valid[:, None])  # [T, S]
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("thgd,hsd->thgs", qg, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None, None, :], s, c.MASK_VALUE)
-    p = jnp.exp(s - s.max(axis=-1, keepdims=True))
-    p = jnp.where(mask[:, None, None, :], p, 0.0)
+    k, v = gather(k_pages), gather(v_pages)
+    qt = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src].astype(jnp.float32)  # [NT, bq, Hq, D]
+    qt = qt.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
+    s = jnp.einsum("tqhgd,thkd->thgqk", qt, k) * scale  # [NT, Hkv, G, bq, L]
+    row_pos = q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [NT, bq]
+    col = jnp.arange(k.shape[2])
+    mask = (col[None, None, :] <= row_pos[:, :, None]) & (col[None, None, :] < kv_len[:, None,
+                                                                                       None])
+    mask = mask[:, None, None]  # [NT, 1, 1, bq, L]
+    s = jnp.where(mask, s, c.MASK_VALUE)
+    p = jnp.where(mask, jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("thgs,hsd->thgd", p, v)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("thgqk,thkd->tqhgd", p, v)
+    out = out.reshape(num_tiles, block_q, num_q_heads, head_dim).astype(q.dtype)
+    return _scatter_tiles(out, src, num_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=(
