@@ -174,7 +174,7 @@ def run_demo(opts: DemoOptions) -> dict:
             _plot(rows, out / "reward.png")
     window = max(1, min(10, len(rows) // 4))
     return dict(
-        steps_run=len(rows) - (start_version if opts.resume else 0), final_version=int(state.version),
+        steps_run=int(state.version) - start_version, final_version=int(state.version),
         reward_first=float(np.mean([r["reward"] for r in rows[:window]])) if rows else 0.0,
         reward_last=float(np.mean([r["reward"] for r in rows[-window:]])) if rows else 0.0,
         generated_tokens=totals["generated"], prompt_tokens=totals["prompt"],

@@ -13,11 +13,10 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache import rollout_core
-from jaxrl_cache.errors import CacheFullError, VersionError
+from jaxrl_cache.errors import VersionError
 from jaxrl_cache.model import ModelConfig, init_kv_cache, init_params
 from jaxrl_cache.radix_cache import CacheStats, RadixCache
 from jaxrl_cache.sampling import SamplingParams
@@ -97,7 +96,8 @@ class RolloutEngine:
         self._lock = threading.Lock()
         self._kv = jax.device_put(init_kv_cache(model_config, cache_config.num_pages,
                                                 cache_config.page_size), self.device)
-        self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k), jax.random.key(0))
+        self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
+                                            jax.random.key(0))
         # Test-only switch that reproduces the stale-KV bug of public projects: one cache
         # namespace for all versions and no invalidation. The audit must catch it.
         self._unsafe_version_blind_cache = False

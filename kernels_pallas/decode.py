@@ -9,15 +9,14 @@ are merged afterwards with the log-sum-exp rule. Rows with `seq_len == 0` return
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
+from kernels_pallas._flash import paged_flash_loop
 
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 
@@ -28,34 +27,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, o_ref, l_ref, m_ref,
     # pages_ref int32 [pages_per_split]; len_ref int32 [1];
     # o_ref f32 [G_pad, D]; l_ref, m_ref f32 [G_pad]
     split = pl.program_id(2)
-    rows, head_dim = q_ref.shape
     pages_per_split = pages_ref.shape[0]
-    block_k = pages_per_block * page_size
     seq_len = len_ref[0]
     first_page = split * pages_per_split
     valid_pages = jnp.clip(pl.cdiv(seq_len, page_size) - first_page, 0, pages_per_split)
     num_blocks = pl.cdiv(valid_pages, pages_per_block)
-    q = q_ref[...]
 
-    def body(i, carry):
-        o, m, l = carry
-        page_ids = pages_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_ref[page_ids].reshape(block_k, head_dim)
-        v = v_ref[page_ids].reshape(block_k, head_dim)
-        s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [rows, block_k]
+    def visible(i, block_k):  # keys below this row's length
         pos = (first_page + i * pages_per_block) * page_size + jnp.arange(block_k)
-        s = jnp.where((pos < seq_len)[None, :], s, c.MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l_new = alpha * l + p.sum(axis=-1)
-        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return o_new, m_new, l_new
+        return (pos < seq_len)[None, :]
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, num_blocks, body, init)
+    o, m, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, num_blocks,
+                               pages_per_block=pages_per_block, sm_scale=sm_scale,
+                               mask=visible)
     o_ref[...] = o
     l_ref[...] = l
     m_ref[...] = m

@@ -1,7 +1,6 @@
 """Functional scatter of new tokens' K/V into their pages."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

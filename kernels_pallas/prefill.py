@@ -12,11 +12,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
+from kernels_pallas._flash import paged_flash_loop
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale: float,
@@ -24,35 +24,21 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
     # q_ref [block_q * G_pad, D] (row r is token r // G_pad); k_ref/v_ref [P, page_size, D];
     # pages_ref int32 [W] (this tile's sequence); info_ref int32 [4] = (first q position,
     # kv_len, 0, 0); o_ref [block_q * G_pad, D]
-    rows, head_dim = q_ref.shape
+    rows = q_ref.shape[0]
     block_k = pages_per_block * page_size
     q_pos0 = info_ref[0]
     kv_len = info_ref[1]
     row_pos = q_pos0 + jnp.arange(rows) // group_rows  # [rows]
     kv_end = jnp.minimum(kv_len, q_pos0 + rows // group_rows)  # causal bound of the tile
     num_blocks = pl.cdiv(kv_end, block_k)
-    q = q_ref[...]
 
-    def body(i, carry):
-        o, m, l = carry
-        page_ids = pages_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_ref[page_ids].reshape(block_k, head_dim)
-        v = v_ref[page_ids].reshape(block_k, head_dim)
-        s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [rows, block_k]
+    def visible(i, block_k):  # causal, and below the sequence's length
         col_pos = i * block_k + jnp.arange(block_k)
-        mask = (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
-        s = jnp.where(mask, s, c.MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l_new = alpha * l + p.sum(axis=-1)
-        o_new = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return o_new, m_new, l_new
+        return (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, _, l = lax.fori_loop(0, num_blocks, body, init)
+    o, _, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, num_blocks,
+                               pages_per_block=pages_per_block, sm_scale=sm_scale,
+                               mask=visible)
     o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 

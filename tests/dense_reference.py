@@ -5,8 +5,10 @@ import numpy as np
 def gather_tokens(pages, page_table_row, length):
     """pages [P, Hkv, ps, D] -> [length, Hkv, D], one token at a time (no vectorised gather)."""
     page_size = pages.shape[2]
+    if length == 0:
+        return np.zeros((0, pages.shape[1], pages.shape[3]))
     return np.stack([pages[page_table_row[t // page_size], :, t % page_size]
-                     for t in range(length)]) if length else np.zeros((0,) + pages.shape[1:2] + pages.shape[3:])
+                     for t in range(length)])
 
 
 def dense_attention(q, k, v, q_pos, scale):

@@ -6,30 +6,33 @@ import pytest
 from kernels_pallas import paged_decode_attention, paged_prefill_attention
 
 B, HQ, HKV, D, PAGE, PAGES, WIDTH = 8, 32, 8, 128, 16, 1024, 128
+ODD_PAGES = 1000  # real pools need not hold a power-of-two number of pages
 
 
 def lower_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def pool():
-    return jax.ShapeDtypeStruct((PAGES, HKV, PAGE, D), jnp.bfloat16)
+def pool(pages=PAGES, page=PAGE):
+    return jax.ShapeDtypeStruct((pages, HKV, page, D), jnp.bfloat16)
 
 
-def test_decode_lowers_to_triton_kernel():
+@pytest.mark.parametrize("pages,page,width", [(PAGES, PAGE, WIDTH), (ODD_PAGES, 64, 24)])
+def test_decode_lowers_to_triton_kernel(pages, page, width):
     text = lower_for_cuda(
         lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, backend="pallas"),
-        jax.ShapeDtypeStruct((B, HQ, D), jnp.bfloat16), pool(), pool(),
-        jax.ShapeDtypeStruct((B, WIDTH), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+        jax.ShapeDtypeStruct((B, HQ, D), jnp.bfloat16), pool(pages, page), pool(pages, page),
+        jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
     assert "__gpu$xla.gpu.triton" in text
     assert "paged_decode_attention" in text
 
 
-def test_prefill_lowers_to_triton_kernel():
+@pytest.mark.parametrize("pages,tokens,width", [(PAGES, 2048, WIDTH), (ODD_PAGES, 1000, 40)])
+def test_prefill_lowers_to_triton_kernel(pages, tokens, width):
     text = lower_for_cuda(
         lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas"),
-        jax.ShapeDtypeStruct((2048, HQ, D), jnp.bfloat16), pool(), pool(),
-        jax.ShapeDtypeStruct((B, WIDTH), jnp.int32), jax.ShapeDtypeStruct((B + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, HQ, D), jnp.bfloat16), pool(pages), pool(pages),
+        jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B + 1,), jnp.int32),
         jax.ShapeDtypeStruct((B,), jnp.int32))
     assert "__gpu$xla.gpu.triton" in text
     assert "paged_prefill_attention" in text

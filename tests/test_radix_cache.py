@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.radix_cache import RadixCache
