@@ -1,1 +1,21 @@
-"""jaxrl_cache: attributable RL post-training."""
+"""jaxrl_cache: attributable RL post-training of language models in JAX.
+
+Every sample carries the policy version that produced it; prefix KV is cached per version
+and never reused across versions. See README.md for the protocol and ../DESIGN.md.
+"""
+from jaxrl_cache.audit import AuditReport, audit_attribution
+from jaxrl_cache.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from jaxrl_cache.engine import CacheConfig, RolloutBatch, RolloutEngine, Sample, WeightAck
+from jaxrl_cache.errors import CacheFullError, PinnedPagesError, StalenessError, VersionError
+from jaxrl_cache.model import ModelConfig, forward, init_params
+from jaxrl_cache.radix_cache import CacheStats, RadixCache
+from jaxrl_cache.sampling import SamplingParams
+from jaxrl_cache.train import TrainBatch, TrainState, make_batch, make_optimizer, train_step
+
+__all__ = [
+    "AuditReport", "audit_attribution", "CheckpointError", "restore_checkpoint",
+    "save_checkpoint", "CacheConfig", "RolloutBatch", "RolloutEngine", "Sample", "WeightAck",
+    "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "ModelConfig",
+    "forward", "init_params", "CacheStats", "RadixCache", "SamplingParams", "TrainBatch",
+    "TrainState", "make_batch", "make_optimizer", "train_step",
+]

@@ -28,7 +28,7 @@ from jaxrl_cache.train import TrainState, make_batch, make_optimizer, train_step
 
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
-    steps: int = 120
+    steps: int = 200
     group_size: int = 8
     prompts_per_step: int = 16
     rollout_calls: int = 4  # rollout calls per step (later ones hit the cached prefix)
