@@ -12,6 +12,7 @@ from jaxrl_cache import rollout_core
 from jaxrl_cache.engine import CacheConfig, RolloutEngine
 from jaxrl_cache.model import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
 from jaxrl_cache.sampling import SamplingParams, sample_tokens
+from jaxrl_cache.shapes import bucket
 from jaxrl_cache.train import TrainState, make_batch, train_step
 
 pytestmark = pytest.mark.slow
@@ -100,7 +101,7 @@ def test_decode_paged_vs_dense_kv_loop(benchmark):
     rows, ctx = PROMPTS * GROUP, PROMPT_LEN
     params = init_params(CONFIG, jax.random.key(0))
     rng = np.random.default_rng(0)
-    width = 32
+    width = bucket(-(-(ctx + NEW) // 16), 8)  # as the engine buckets page tables
     pool_shape = (rows * width + 1, CONFIG.n_kv_heads, 16, CONFIG.head_dim)
     pool = tuple((jnp.asarray(rng.standard_normal(pool_shape), jnp.float32),
                   jnp.asarray(rng.standard_normal(pool_shape), jnp.float32))

@@ -11,7 +11,7 @@ import numpy as np
 from jaxrl_cache.engine import RolloutBatch
 from jaxrl_cache.model import ModelConfig, forward
 from jaxrl_cache.sampling import behavior_log_probs
-from kernels_pallas._common import next_power_of_2
+from jaxrl_cache.shapes import bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
             flagged.extend(idx)
             continue
         samples = [batch.samples[i] for i in idx]
-        length = next_power_of_2(max(len(s.prompt_ids) + len(s.output_ids) for s in samples))
+        length = bucket(max(len(s.prompt_ids) + len(s.output_ids) for s in samples), 64)
         tokens = np.zeros((len(samples), length), np.int32)
         for r, s in enumerate(samples):
             tokens[r, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids

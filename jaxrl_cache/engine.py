@@ -20,6 +20,7 @@ from jaxrl_cache.errors import VersionError
 from jaxrl_cache.model import ModelConfig, init_kv_cache, init_params
 from jaxrl_cache.radix_cache import CacheStats, RadixCache
 from jaxrl_cache.sampling import SamplingParams
+from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import as_version
 from kernels_pallas._common import next_power_of_2, resolve_backend
 
@@ -70,12 +71,6 @@ class WeightAck:
     invalidated_pages: int
     seconds: float
     cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
-
-
-def _bucket_pages(n: int) -> int:
-    """Page-table width bucket: powers of two up to 8, then multiples of 8 (less padding
-    than powers of two, still few distinct shapes)."""
-    return next_power_of_2(n) if n <= 8 else -(-n // 8) * 8
 
 
 def _tree_identity(tree) -> tuple:
@@ -254,7 +249,7 @@ class RolloutEngine:
                     partial_page = mine[0]  # prefill writes the partial prompt page here
                 elif len(groups[g]) % ps:
                     copies.append((partial_page, mine[0]))
-        width = _bucket_pages(max(len(r) for r in row_pages))
+        width = bucket(max(len(r) for r in row_pages), 8)
 
         # ---- paged prefill of each group's uncached prompt tokens (packed)
         q_lens = [len(p) - c for p, (c, _, _) in zip(groups, plan)]

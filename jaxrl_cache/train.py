@@ -23,8 +23,8 @@ from jaxrl_cache.engine import RolloutBatch
 from jaxrl_cache.errors import StalenessError
 from jaxrl_cache.model import ModelConfig, forward
 from jaxrl_cache.sampling import behavior_log_probs
+from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import as_version
-from kernels_pallas._common import next_power_of_2
 
 
 def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
@@ -91,8 +91,8 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     """Samples of one or more rollout batches + scalar rewards [N] -> a TrainBatch.
 
     Groups (for advantages) are the n samples of one prompt of one rollout call. All batches
-    must share sampling parameters. length: padded sequence length (default: next power of
-    two of the longest sample, so repeated steps reuse one compilation).
+    must share sampling parameters. length: padded sequence length (default: the longest
+    sample rounded up to a bucket, so repeated steps reuse one compilation).
     """
     batches = [rollouts] if isinstance(rollouts, RolloutBatch) else list(rollouts)
     if not batches:
@@ -106,7 +106,7 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     if rewards.shape != (len(samples),):
         raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
     longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-    length = length or next_power_of_2(longest)
+    length = length or bucket(longest, 64)
     if length < longest:
         raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
     n = len(samples)
