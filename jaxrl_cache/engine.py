@@ -236,18 +236,18 @@ class RolloutEngine:
 
         # Page lists: group_pages = cached + newly written full prompt pages (shared);
         # row_pages[r] = group_pages + this sample's own pages.
-        group_pages, row_pages, row_group, copies = [], [], [], []
+        row_pages, row_group, copies = [], [], []
         for g, ((cached, shared, own), m) in enumerate(zip(plan, matches)):
             cached_pages = m.pages if m is not None else np.zeros(0, np.int32)
             gp = np.concatenate([cached_pages, take(shared - cached // ps)])
-            group_pages.append(gp)
+            partial = len(groups[g]) % ps != 0  # then own >= 1 and own[0] holds that page
             for j in range(per_group):
                 mine = take(own)
                 row_pages.append(np.concatenate([gp, mine]))
                 row_group.append(g)
-                if j == 0:
+                if partial and j == 0:
                     partial_page = mine[0]  # prefill writes the partial prompt page here
-                elif len(groups[g]) % ps:
+                elif partial:
                     copies.append((partial_page, mine[0]))
         width = bucket(max(len(r) for r in row_pages), 8)
 

@@ -83,6 +83,17 @@ def test_stop_tokens_end_rows_early():
     assert s.finish_reason == "stop" and list(s.output_ids) == want[:want.index(stop) + 1]
 
 
+def test_single_new_token_on_exact_page_prompt():
+    """An exact-page prompt with max_new_tokens=1 needs no page beyond the prompt's."""
+    params = varied_params(0)
+    engine = make_engine()
+    sp = SamplingParams(n=3, max_new_tokens=1, temperature=0.0)
+    batch = engine.rollout(params, 0, [list(range(5, 21))], sp, rng=jax.random.key(0))
+    want = dense_greedy(params, CONFIG, list(range(5, 21)), 1)[0]
+    assert [list(s.output_ids) for s in batch.samples] == [want] * 3
+    assert balanced(engine)
+
+
 def test_prefix_cache_off_computes_every_prompt():
     params = varied_params(0)
     engine = RolloutEngine(CONFIG, CacheConfig(num_pages=96, page_size=PS, prefix_cache=False))
