@@ -123,13 +123,14 @@ def bench_prefill(backend, smoke, report):
     cu = jnp.asarray([0, tokens], jnp.int32)
     kv_lens = jnp.asarray([tokens], jnp.int32)
     q = jax.random.normal(jax.random.key(1), (tokens, hq, d), jnp.bfloat16)
-    for block_q in ((16,) if smoke else (64, 128)):
+    group_rows = hq // hkv
+    for block_q, warps in (((16, 4),) if smoke else ((16, 4), (32, 4), (32, 8), (64, 8))):
         fn = jax.jit(lambda q, k, v, t, c, n: paged_prefill_attention(
-            q, k, v, t, c, n, backend=backend, block_q=block_q, num_warps=4 if block_q == 64
-            else 8))
+            q, k, v, t, c, n, backend=backend, block_q=block_q, num_warps=warps))
         t = timed(fn, q, k, v, table, cu, kv_lens, iters=10)
         flops = 4 * hq * d * tokens * (tokens + 1) / 2
-        row = dict(tokens=tokens, block_q=block_q, ms=t * 1e3, TFLOPs=flops / t / 1e12)
+        row = dict(tokens=tokens, block_q=block_q, rows=block_q * group_rows, num_warps=warps,
+                   ms=t * 1e3, TFLOPs=flops / t / 1e12)
         report["prefill"].append(row)
         print("prefill", row, flush=True)
 
@@ -165,9 +166,9 @@ def main():
         lines.append(f"        {r['page']:4d} {r['L']:6d} {r['ours_ms']:9.3f} {r['GBps']:7.0f} "
                      f"{100 * r['copy_fraction']:5.1f} {r.get('jax_ms', float('nan')):8.3f} "
                      f"{r.get('speedup_vs_jax', float('nan')):8.2f}")
-    lines += ["", "prefill tokens block_q      ms  TFLOP/s"]
-    lines += [f"        {r['tokens']:6d} {r['block_q']:7d} {r['ms']:7.3f} {r['TFLOPs']:8.1f}"
-              for r in report["prefill"]]
+    lines += ["", "prefill tokens block_q rows warps      ms  TFLOP/s"]
+    lines += [f"        {r['tokens']:6d} {r['block_q']:7d} {r['rows']:4d} {r['num_warps']:5d} "
+              f"{r['ms']:7.3f} {r['TFLOPs']:8.1f}" for r in report["prefill"]]
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

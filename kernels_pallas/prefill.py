@@ -82,9 +82,11 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_s
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_rows = c.next_power_of_2(group)
-    if block_q is None:
-        block_q = max(16 // group_rows, min(64, c.next_power_of_2(num_tokens)))
+    if block_q is None:  # about 128 rows per program (block_q tokens x padded GQA group)
+        block_q = max(16 // group_rows, min(128 // group_rows, c.next_power_of_2(num_tokens)))
     rows = block_q * group_rows
+    if num_warps is None:
+        num_warps = 8 if rows >= 128 else 4
     if pages_per_block is None:
         pages_per_block = max(1, 64 // page_size)
     for name, val in (("block_q", block_q), ("pages_per_block", pages_per_block)):
@@ -177,7 +179,7 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     "sm_scale", "backend", "block_q", "pages_per_block", "num_warps", "num_stages"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
                             sm_scale=None, backend="auto", block_q=None, pages_per_block=None,
-                            num_warps=4, num_stages=2):
+                            num_warps=None, num_stages=2):
     """Causal attention of packed new tokens over their sequences' pages.
 
     q [T, Hq, D] packed new tokens (T may exceed cu_q_lens[-1]; padded rows return zeros);

@@ -45,7 +45,7 @@ def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
     assert not np.isnan(np.asarray(out, np.float32)).any()
 
 
-def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0):
+def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, **kernel_args):
     rng = np.random.default_rng(seed)
     q_lens = [page_size + 3, 1, 2 * page_size]  # ragged, single token, exact pages
     cached_lens = [page_size, 2 * page_size, page_size] if cached else [0, 0, 0]
@@ -59,7 +59,8 @@ def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0):
     q = jnp.asarray(rng.standard_normal((padded, hq, head_dim)), dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(cu),
-                                  jnp.asarray(kv_lens, jnp.int32), backend=backend)
+                                  jnp.asarray(kv_lens, jnp.int32), backend=backend,
+                                  **kernel_args)
     kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
     qf = np.asarray(q, np.float64)
     for b in range(len(q_lens)):
@@ -104,6 +105,13 @@ def test_prefill_xla(page_size, heads, head_dim, cached):
 @pytest.mark.parametrize("page_size,heads,head_dim", INTERPRET_GRID)
 def test_prefill_interpret(page_size, heads, head_dim, cached):
     prefill_case("interpret", page_size, *heads, head_dim, jnp.float32, cached)
+
+
+@pytest.mark.parametrize("block_q,pages_per_block", [(4, 1), (8, 2)])
+def test_prefill_interpret_many_tiles_per_sequence(block_q, pages_per_block):
+    """Small query tiles: several tiles per sequence, each stopping at its causal bound."""
+    prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_q=block_q,
+                 pages_per_block=pages_per_block)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
