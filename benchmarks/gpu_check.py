@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import pathlib
 import statistics
@@ -93,8 +94,7 @@ def bench_decode(backend, smoke, report, copy_bw):
                 b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
             lens = jnp.full((b,), length, jnp.int32)
             q = jax.random.normal(jax.random.key(1), (b, hq, d), jnp.bfloat16)
-            ours = jax.jit(lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n,
-                                                                       backend=backend))
+            ours = jax.jit(functools.partial(paged_decode_attention, backend=backend))
             t_ours = timed(ours, q, k, v, table, lens)
             moved = 2 * b * length * hkv * d * 2  # K and V, bf16
             row = dict(page=ps, L=length, ours_ms=t_ours * 1e3, GBps=moved / t_ours / 1e9,
@@ -103,9 +103,8 @@ def bench_decode(backend, smoke, report, copy_bw):
                 kt, vt = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
                 splits = min(16, pages_per_seq)
                 ppcb = max(1, min(8, pages_per_seq // splits))
-                ref = jax.jit(lambda q, k, v, t, n: jax_paged.paged_attention(
-                    q, k, v, t, n, k_splits=splits, pages_per_compute_block=ppcb,
-                    interpret=smoke))
+                ref = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=splits,
+                                                pages_per_compute_block=ppcb, interpret=smoke))
                 t_ref = timed(ref, q, kt, vt, table, lens)
                 row.update(jax_ms=t_ref * 1e3, speedup_vs_jax=t_ref / t_ours)
             except Exception as e:  # noqa: BLE001 - report, keep measuring
@@ -125,8 +124,8 @@ def bench_prefill(backend, smoke, report):
     q = jax.random.normal(jax.random.key(1), (tokens, hq, d), jnp.bfloat16)
     group_rows = hq // hkv
     for block_q, warps in (((16, 4),) if smoke else ((16, 4), (32, 4), (32, 8), (64, 8))):
-        fn = jax.jit(lambda q, k, v, t, c, n: paged_prefill_attention(
-            q, k, v, t, c, n, backend=backend, block_q=block_q, num_warps=warps))
+        fn = jax.jit(functools.partial(paged_prefill_attention, backend=backend,
+                                       block_q=block_q, num_warps=warps))
         t = timed(fn, q, k, v, table, cu, kv_lens, iters=10)
         flops = 4 * hq * d * tokens * (tokens + 1) / 2
         row = dict(tokens=tokens, block_q=block_q, rows=block_q * group_rows, num_warps=warps,

@@ -110,7 +110,10 @@ def run_demo(opts: DemoOptions) -> dict:
     stop = {"requested": False}
 
     def on_sigint(signum, frame):
+        if stop["requested"]:  # a second Ctrl-C aborts at once (the last state is still saved)
+            raise KeyboardInterrupt
         stop["requested"] = True
+        tqdm.write("Ctrl-C: finishing the current step, then saving (again to abort)")
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
     totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0)

@@ -89,3 +89,18 @@ def test_cli_help_explains_subcommands(capsys):
         cli.main(["demo", "--help"])
     text = capsys.readouterr().out
     assert "--resume" in text and "Ctrl-C" in text
+
+
+def test_second_ctrl_c_aborts_but_keeps_the_last_state(tmp_path, monkeypatch):
+    real = demo.train_step
+
+    def interrupting_twice(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "train_step", interrupting_twice)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(demo.DemoOptions(steps=10, out=str(out), **SMALL))
+    assert (out / "checkpoint").is_dir() and not read_rows(out)
