@@ -1,7 +1,7 @@
 """jaxrl_cache: attributable RL post-training of language models in JAX.
 
 Every sample carries the policy version that produced it; prefix KV is cached per version
-and never reused across versions. See README.md for the protocol and ../DESIGN.md.
+and never reused across versions. README.md describes the protocol and the invariants.
 """
 from jaxrl_cache.audit import AuditReport, audit_attribution
 from jaxrl_cache.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint

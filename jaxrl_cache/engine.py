@@ -45,6 +45,15 @@ class Sample:
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightAck:
+    version: int
+    previous_version: int
+    invalidated_pages: int
+    seconds: float
+    cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutBatch:
     samples: list
     version: int
@@ -54,6 +63,7 @@ class RolloutBatch:
     cached_tokens: int  # prompt tokens served by the radix cache
     decode_steps: int
     seconds: float
+    sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
 
     @property
     def generated_tokens(self) -> int:
@@ -62,15 +72,6 @@ class RolloutBatch:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(s.prompt_ids) for s in self.samples)
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightAck:
-    version: int
-    previous_version: int
-    invalidated_pages: int
-    seconds: float
-    cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
 
 
 def _tree_identity(tree) -> tuple:
@@ -160,15 +161,17 @@ class RolloutEngine:
         version = as_version(version)
         prompts = self._check_prompts(prompts, sampling)
         with self._lock:
+            ack = None
             if version > self._version or self._params is None:
-                self._sync_locked(params, version)
+                ack = self._sync_locked(params, version)
             elif version < self._version:
                 raise VersionError(f"rollout at version {version} but the engine is at "
                                    f"{self._version}; versions only move forward")
             elif _tree_identity(params) != self._params_ids:
                 raise VersionError(f"params passed for version {version} differ from those "
                                    f"synced for it; bump the version when weights change")
-            return self._generate(self._params, self._version, prompts, sampling, rng)
+            batch = self._generate(self._params, self._version, prompts, sampling, rng)
+            return dataclasses.replace(batch, sync_ack=ack)
 
     def _check_prompts(self, prompts, sampling: SamplingParams) -> list[tuple]:
         if not isinstance(sampling, SamplingParams):

@@ -51,7 +51,9 @@ def test_version_bump_reuses_nothing_and_follows_new_params():
     engine = make_engine()
     engine.rollout(old, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert engine.cache_stats().cached_pages_by_version[0] > 0
+    cached = engine.cache_stats().cached_pages_by_version[0]
     batch = engine.rollout(new, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert batch.sync_ack.version == 1 and batch.sync_ack.invalidated_pages == cached
     assert engine.cache.versions() == [1]
     for s in batch.samples:
         assert s.cached_tokens == 0 and s.behavior_version == 1

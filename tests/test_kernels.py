@@ -107,6 +107,33 @@ def test_prefill_interpret(page_size, heads, head_dim, cached):
     prefill_case("interpret", page_size, *heads, head_dim, jnp.float32, cached)
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_non_power_of_two_gqa_group(backend):
+    """Hq=6, Hkv=2: a group of 3 is padded to the kernel's row tiles and sliced back."""
+    decode_case(backend, 16, 6, 2, 64, jnp.float32, seed=5)
+    prefill_case(backend, 16, 6, 2, 64, jnp.float32, cached=True, seed=5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_prefill_sequence_without_new_tokens(backend):
+    """A sequence with q_len 0 in the middle of the pack gets no rows and disturbs nothing."""
+    rng = np.random.default_rng(6)
+    k_pages, v_pages = random_pool(rng, 20, 2, 8, 64, jnp.float32)
+    table = random_page_table(rng, 3, 4, 20)
+    q_lens, kv_lens = [5, 0, 3], [5, 16, 11]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.float32)
+    out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(cu),
+                                  jnp.asarray(kv_lens, jnp.int32), backend=backend)
+    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    for b in (0, 2):
+        pos = np.arange(kv_lens[b] - q_lens[b], kv_lens[b])
+        ref = dense_attention(np.asarray(q, np.float64)[cu[b]:cu[b + 1]],
+                              gather_tokens(kf, table[b], kv_lens[b]),
+                              gather_tokens(vf, table[b], kv_lens[b]), pos, 64 ** -0.5)
+        np.testing.assert_allclose(np.asarray(out[cu[b]:cu[b + 1]]), ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("block_q,pages_per_block", [(4, 1), (8, 2)])
 def test_prefill_interpret_many_tiles_per_sequence(block_q, pages_per_block):
     """Small query tiles: several tiles per sequence, each stopping at its causal bound."""
