@@ -7,7 +7,7 @@ from jaxrl_cache.audit import AuditReport, audit_attribution
 from jaxrl_cache.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from jaxrl_cache.engine import CacheConfig, RolloutBatch, RolloutEngine, Sample, WeightAck
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError, StalenessError, VersionError
-from jaxrl_cache.model import ModelConfig, forward, init_params
+from jaxrl_cache.model import DecoderLM, ModelConfig, forward, init_params
 from jaxrl_cache.radix_cache import CacheStats, RadixCache
 from jaxrl_cache.sampling import SamplingParams
 from jaxrl_cache.train import TrainBatch, TrainState, make_batch, make_optimizer, train_step
@@ -15,7 +15,8 @@ from jaxrl_cache.train import TrainBatch, TrainState, make_batch, make_optimizer
 __all__ = [
     "AuditReport", "audit_attribution", "CheckpointError", "restore_checkpoint",
     "save_checkpoint", "CacheConfig", "RolloutBatch", "RolloutEngine", "Sample", "WeightAck",
-    "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "ModelConfig",
+    "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "DecoderLM",
+    "ModelConfig",
     "forward", "init_params", "CacheStats", "RadixCache", "SamplingParams", "TrainBatch",
     "TrainState", "make_batch", "make_optimizer", "train_step",
 ]

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2-family decoder LM as pure functions over a params pytree.
+"""A Llama/Qwen2-family decoder LM: an nnx Module holds the weights, pure functions compute.
 
 RMSNorm, rotary embeddings (Llama "rotate half" layout), GQA, SwiGLU, optional qkv bias,
 tied or untied embeddings. Weights are stored [in, out] so x @ w; a Hugging Face Llama or
@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
 
@@ -48,32 +49,66 @@ class ModelConfig:
         return cls(**{**base, **overrides})
 
 
-def init_params(config: ModelConfig, key: jax.Array) -> dict:
-    """Random params: normal(0.02) matrices, unit norms, zero biases."""
-    dtype = jnp.dtype(config.dtype)
-    d, hq, hkv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
-    keys = iter(jax.random.split(key, 2 + 7 * config.n_layers))
+class DecoderLayer(nnx.Module):
+    """One pre-norm block: attention (GQA, rotary) and a SwiGLU MLP."""
 
-    def dense(shape, scale=0.02):
-        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        d, hq, hkv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        normal = nnx.initializers.normal(0.02)
+        out = nnx.initializers.normal(0.02 / (2 * config.n_layers) ** 0.5)  # residual scaling
 
-    out_scale = 0.02 / (2 * config.n_layers) ** 0.5  # residual-branch scaling (GPT-2 style)
-    layers = []
-    for _ in range(config.n_layers):
-        layer = dict(attn_norm=jnp.ones((d,), dtype), wq=dense((d, hq * hd)),
-                     wk=dense((d, hkv * hd)), wv=dense((d, hkv * hd)),
-                     wo=dense((hq * hd, d), out_scale), mlp_norm=jnp.ones((d,), dtype),
-                     w_gate=dense((d, config.d_ff)), w_up=dense((d, config.d_ff)),
-                     w_down=dense((config.d_ff, d), out_scale))
+        def param(init, shape):
+            return nnx.Param(init(rngs.params(), shape, dtype))
+
+        self.attn_norm = nnx.Param(jnp.ones((d,), dtype))
+        self.wq, self.wk, self.wv = (param(normal, (d, hq * hd)), param(normal, (d, hkv * hd)),
+                                     param(normal, (d, hkv * hd)))
         if config.qkv_bias:
-            layer.update(bq=jnp.zeros((hq * hd,), dtype), bk=jnp.zeros((hkv * hd,), dtype),
-                         bv=jnp.zeros((hkv * hd,), dtype))
-        layers.append(layer)
-    params = dict(embed=dense((config.vocab_size, d)), layers=layers,
-                  final_norm=jnp.ones((d,), dtype))
-    if not config.tie_embeddings:
-        params["lm_head"] = dense((d, config.vocab_size))
-    return params
+            self.bq = nnx.Param(jnp.zeros((hq * hd,), dtype))
+            self.bk = nnx.Param(jnp.zeros((hkv * hd,), dtype))
+            self.bv = nnx.Param(jnp.zeros((hkv * hd,), dtype))
+        self.wo = param(out, (hq * hd, d))
+        self.mlp_norm = nnx.Param(jnp.ones((d,), dtype))
+        self.w_gate, self.w_up = param(normal, (d, config.d_ff)), param(normal, (d, config.d_ff))
+        self.w_down = param(out, (config.d_ff, d))
+
+
+class DecoderLM(nnx.Module):
+    """The model as a flax nnx Module: it defines and initialises the weights.
+
+    Compute goes through the pure functions below on `params()`, a plain pytree, so the
+    trainer and the rollout engine pass weights as jit arguments (a new version never
+    recompiles). `model(tokens)` is the dense forward.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(config.dtype)
+        normal = nnx.initializers.normal(0.02)
+        self.embed = nnx.Param(normal(rngs.params(), (config.vocab_size, config.d_model), dtype))
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs)
+                                for _ in range(config.n_layers)])
+        self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
+        if not config.tie_embeddings:
+            self.lm_head = nnx.Param(normal(rngs.params(), (config.d_model, config.vocab_size),
+                                            dtype))
+
+    def params(self) -> dict:
+        """The weights as a plain pytree: layers is a list of dicts, one per block."""
+        state = nnx.state(self, nnx.Param)
+        # nnx.to_pure_dict is the newer spelling (State.to_pure_dict is deprecated)
+        state = nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+        state["layers"] = [state["layers"][i] for i in range(self.config.n_layers)]
+        return state
+
+    def __call__(self, tokens):  # tokens int32 [B, T] -> logits f32 [B, T, V]
+        return forward(self.params(), self.config, tokens)
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random params (normal(0.02) matrices, unit norms, zero biases) as a plain pytree."""
+    return DecoderLM(config, rngs=nnx.Rngs(params=key)).params()
 
 
 def rms_norm(x, weight, eps):

@@ -62,3 +62,17 @@ def test_untied_no_bias_variant_matches_dense():
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
         ModelConfig.tiny(n_heads=3, n_kv_heads=2)
+
+
+def test_nnx_module_and_functional_params_agree():
+    from flax import nnx
+
+    from jaxrl_cache.model import DecoderLM
+    model = DecoderLM(CONFIG, rngs=nnx.Rngs(params=jax.random.key(7)))
+    params = init_params(CONFIG, jax.random.key(7))
+    for a, b in zip(jax.tree.leaves(model.params()), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert isinstance(params["layers"], list) and len(params["layers"]) == CONFIG.n_layers
+    tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(model(tokens)),
+                               np.asarray(forward(params, CONFIG, tokens)), atol=1e-6)
