@@ -74,8 +74,11 @@ class RolloutBatch:
         return sum(len(s.prompt_ids) for s in self.samples)
 
 
-def _tree_identity(tree) -> tuple:
-    return tuple(id(x) for x in jax.tree.leaves(tree))
+def _same_leaves(tree, leaves) -> bool:
+    """True iff `tree`'s leaves are the very objects in `leaves` (held, so ids stay unique)."""
+    mine = jax.tree.leaves(tree)
+    return leaves is not None and len(mine) == len(leaves) and all(
+        a is b for a, b in zip(mine, leaves))
 
 
 class RolloutEngine:
@@ -88,7 +91,7 @@ class RolloutEngine:
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
         self._version = as_version(version)
         self._params = None  # resident params of self._version
-        self._params_ids = None  # identity of the caller's params they came from
+        self._params_source = None  # the caller's leaves they came from (identity checks)
         self._lock = threading.Lock()
         self._kv = jax.device_put(init_kv_cache(model_config, cache_config.num_pages,
                                                 cache_config.page_size), self.device)
@@ -122,7 +125,7 @@ class RolloutEngine:
             raise VersionError(f"version {version} is older than the engine's version "
                                f"{previous}; versions only move forward")
         if version == previous and self._params is not None:
-            if _tree_identity(params) != self._params_ids:
+            if not _same_leaves(params, self._params_source):
                 raise VersionError(
                     f"version {version} is already synced with different params; a weight "
                     f"change must come with a new version (got {version} again)")
@@ -134,7 +137,8 @@ class RolloutEngine:
         if not self._unsafe_version_blind_cache:
             invalidated = self.cache.invalidate_before(version)
         # commit: nothing below can fail
-        self._params, self._params_ids, self._version = resident, _tree_identity(params), version
+        self._params, self._params_source = resident, tuple(jax.tree.leaves(params))
+        self._version = version
         return WeightAck(version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()))
 
@@ -145,9 +149,10 @@ class RolloutEngine:
             raise ValueError(f"params tree does not match the model config: {got} vs {want}")
         for path, a, b in zip(jax.tree_util.tree_leaves_with_path(params),
                               jax.tree.leaves(params), jax.tree.leaves(self._param_shapes)):
-            if a.shape != b.shape:
-                raise ValueError(f"param {jax.tree_util.keystr(path[0])} has shape {a.shape}, "
-                                 f"the model config needs {b.shape}")
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"param {jax.tree_util.keystr(path[0])} is {a.dtype}"
+                                 f"{list(a.shape)}, the model config needs {b.dtype}"
+                                 f"{list(b.shape)}")
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, params, version, prompts: Sequence[Sequence[int]],
@@ -167,7 +172,7 @@ class RolloutEngine:
             elif version < self._version:
                 raise VersionError(f"rollout at version {version} but the engine is at "
                                    f"{self._version}; versions only move forward")
-            elif _tree_identity(params) != self._params_ids:
+            elif not _same_leaves(params, self._params_source):
                 raise VersionError(f"params passed for version {version} differ from those "
                                    f"synced for it; bump the version when weights change")
             batch = self._generate(self._params, self._version, prompts, sampling, rng)

@@ -134,13 +134,16 @@ class TestSyncWeights:
             engine.sync_weights(varied_params(1), 1)
         monkeypatch.undo()
         assert engine.version == 0 and engine.cache_stats() == before
-        assert engine._params_ids == tuple(id(x) for x in jax.tree.leaves(state.params))
+        assert all(a is b for a, b in zip(engine._params_source, jax.tree.leaves(state.params)))
         b = engine.rollout(state.params, 0, PROMPTS, SP, rng=jax.random.key(1))
         assert b.cached_tokens > 0  # the old cache is intact and still serves version 0
 
     def test_bad_params_rejected(self, engine):
-        with pytest.raises(ValueError, match="shape"):
+        with pytest.raises(ValueError, match=r"embed.*float32\[3, 3\]"):
             engine.sync_weights(varied_params(0) | {"embed": jnp.zeros((3, 3))}, 1)
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), varied_params(0))
+        with pytest.raises(ValueError, match="bfloat16"):  # would recompile: refused
+            engine.sync_weights(bf16, 1)
         assert engine.version == 0
 
 
