@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.engine import RolloutBatch
-from jaxrl_cache.model import ModelConfig, forward
-from jaxrl_cache.sampling import behavior_log_probs
-from jaxrl_cache.shapes import bucket
+from jaxrl_cache.model import ModelConfig
+from jaxrl_cache.train import pack_samples, teacher_forced_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +23,7 @@ class AuditReport:
     tolerance: float
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _teacher_forced(params, config, tokens, temperature, top_p, top_k):
-    """tokens int32 [N, L] -> log-probs f32 [N, L-1] of each next token."""
-    logits = forward(params, config, tokens)[:, :-1]
-    logp = behavior_log_probs(logits, temperature, top_p, top_k)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+_teacher_forced = jax.jit(teacher_forced_log_probs, static_argnums=1)
 
 
 def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: ModelConfig, *,
@@ -53,10 +46,7 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
             flagged.extend(idx)
             continue
         samples = [batch.samples[i] for i in idx]
-        length = bucket(max(len(s.prompt_ids) + len(s.output_ids) for s in samples), 64)
-        tokens = np.zeros((len(samples), length), np.int32)
-        for r, s in enumerate(samples):
-            tokens[r, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
+        tokens, _, _ = pack_samples(samples)
         logp = np.asarray(_teacher_forced(params_by_version[version], config,
                                           jnp.asarray(tokens), **knobs))
         for r, (i, s) in enumerate(zip(idx, samples)):

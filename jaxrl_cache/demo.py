@@ -144,13 +144,16 @@ def run_demo(opts: DemoOptions) -> dict:
             state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
             ack = engine.sync_weights(state.params, state.version)
             train_s = time.perf_counter() - t1
-            prompt_tokens = sum(b.prompt_tokens for b in batches)
-            generated = sum(b.generated_tokens for b in batches)
+            step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
+                               generated=sum(b.generated_tokens for b in batches),
+                               reused=sum(b.reused_tokens for b in batches),
+                               cached=sum(b.cached_tokens for b in batches))
+            prompt_tokens, generated = step_totals["prompt"], step_totals["generated"]
             row = dict(step=step, version=version, next_version=ack.version,
                        reward=float(np.mean(rewards)),
                        exact_match=float(np.mean([r == 1.0 for r in rewards])),
-                       cache_hit_rate=sum(b.cached_tokens for b in batches) / prompt_tokens,
-                       prefill_saved=sum(b.reused_tokens for b in batches) / prompt_tokens,
+                       cache_hit_rate=step_totals["cached"] / prompt_tokens,
+                       prefill_saved=step_totals["reused"] / prompt_tokens,
                        lr=float(m["lr"]), loss=float(m["loss"]),
                        clip_fraction=float(m["clip_fraction"]),
                        invalidated_pages=ack.invalidated_pages, audit_ok=audit_ok,
@@ -159,10 +162,8 @@ def run_demo(opts: DemoOptions) -> dict:
             rows.append(row)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            totals["generated"] += generated
-            totals["prompt"] += prompt_tokens
-            totals["reused"] += sum(b.reused_tokens for b in batches)
-            totals["cached"] += sum(b.cached_tokens for b in batches)
+            for key, value in step_totals.items():
+                totals[key] += value
             bar.set_postfix(v=version, reward=f"{row['reward']:.3f}",
                             hit=f"{row['cache_hit_rate']:.2f}",
                             tok_s=f"{generated / rollout_s:.0f}")

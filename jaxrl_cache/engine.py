@@ -8,6 +8,7 @@ acknowledges.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import time
 from typing import Sequence
@@ -186,7 +187,11 @@ class RolloutEngine:
         vocab, limit = self.model_config.vocab_size, self.model_config.max_seq_len
         out = []
         for i, p in enumerate(prompts):
-            p = tuple(int(t) for t in p)
+            try:
+                p = tuple(operator.index(t) for t in p)
+            except TypeError:
+                raise TypeError(f"prompt {i} must be a sequence of integer token ids, got "
+                                f"{p!r:.80}") from None
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in p if not 0 <= t < vocab]

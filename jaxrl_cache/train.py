@@ -86,6 +86,29 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6)
     return out.astype(np.float32)
 
 
+def pack_samples(samples, length: int | None = None):
+    """Right-padded prompt + output tokens of each sample, aligned for next-token scoring.
+
+    Returns tokens int32 [N, L]; mask f32 [N, L-1] (1 where position t predicts an output
+    token t+1); behavior f32 [N, L-1] (the recorded logprobs at those positions).
+    length defaults to the longest sample rounded up to a bucket (one compilation per bucket).
+    """
+    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    length = length or bucket(longest, 64)
+    if length < longest:
+        raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
+    n = len(samples)
+    tokens = np.zeros((n, length), np.int32)
+    mask = np.zeros((n, length - 1), np.float32)
+    behavior = np.zeros((n, length - 1), np.float32)
+    for i, s in enumerate(samples):
+        p, o = len(s.prompt_ids), len(s.output_ids)
+        tokens[i, :p + o] = s.prompt_ids + s.output_ids
+        mask[i, p - 1:p - 1 + o] = 1.0
+        behavior[i, p - 1:p - 1 + o] = s.output_logprobs
+    return tokens, mask, behavior
+
+
 def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
                length: int | None = None) -> TrainBatch:
     """Samples of one or more rollout batches + scalar rewards [N] -> a TrainBatch.
@@ -105,19 +128,7 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     rewards = np.asarray(rewards, np.float32)
     if rewards.shape != (len(samples),):
         raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
-    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-    length = length or bucket(longest, 64)
-    if length < longest:
-        raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
-    n = len(samples)
-    tokens = np.zeros((n, length), np.int32)
-    mask = np.zeros((n, length - 1), np.float32)
-    behavior = np.zeros((n, length - 1), np.float32)
-    for i, s in enumerate(samples):
-        p, o = len(s.prompt_ids), len(s.output_ids)
-        tokens[i, :p + o] = s.prompt_ids + s.output_ids
-        mask[i, p - 1:p - 1 + o] = 1.0
-        behavior[i, p - 1:p - 1 + o] = s.output_logprobs
+    tokens, mask, behavior = pack_samples(samples, length)
     return TrainBatch(
         tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
         behavior_logprobs=jnp.asarray(behavior),
@@ -127,11 +138,18 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
         top_k=jnp.int32(sp.top_k))
 
 
+def teacher_forced_log_probs(params, config, tokens, temperature, top_p, top_k):
+    """tokens int32 [N, L] -> log-probs f32 [N, L-1] of each next token under the sampling
+    distribution (see sampling.behavior_log_probs). Used by the loss and by the audit."""
+    logits = forward(params, config, tokens)[:, :-1]
+    logp = behavior_log_probs(logits, temperature, top_p, top_k)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
 def policy_log_probs(params, config, batch: TrainBatch):
     """Log-probs [N, L-1] of each next token under the batch's sampling distribution."""
-    logits = forward(params, config, batch.tokens)[:, :-1]
-    logp = behavior_log_probs(logits, batch.temperature, batch.top_p, batch.top_k)
-    logp = jnp.take_along_axis(logp, batch.tokens[:, 1:, None], axis=-1)[..., 0]
+    logp = teacher_forced_log_probs(params, config, batch.tokens, batch.temperature,
+                                    batch.top_p, batch.top_k)
     return jnp.maximum(logp, -1e4)  # a token outside a new top-k/top-p gets ratio ~0, not NaN
 
 
@@ -176,15 +194,14 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
     Raises StalenessError before any work if a sample's behavior version lags the state's
     version by more than max_policy_lag (None = no limit), or is newer than the state.
     """
-    if max_policy_lag is not None:
-        lag = int(state.version) - int(jnp.min(batch.behavior_version))
-        if lag > max_policy_lag:
-            raise StalenessError(
-                f"batch behavior version {int(jnp.min(batch.behavior_version))} is {lag} "
-                f"updates behind the trainer (version {int(state.version)}); "
-                f"max_policy_lag={max_policy_lag}")
-    if int(jnp.max(batch.behavior_version)) > int(state.version):
-        raise StalenessError(f"batch has samples from version "
-                             f"{int(jnp.max(batch.behavior_version))}, newer than the trainer "
-                             f"({int(state.version)})")
+    version = int(state.version)
+    behavior = np.asarray(batch.behavior_version)
+    oldest, newest = int(behavior.min()), int(behavior.max())
+    if max_policy_lag is not None and version - oldest > max_policy_lag:
+        raise StalenessError(
+            f"batch behavior version {oldest} is {version - oldest} updates behind the trainer "
+            f"(version {version}); max_policy_lag={max_policy_lag}")
+    if newest > version:
+        raise StalenessError(f"batch has samples from version {newest}, newer than the "
+                             f"trainer ({version})")
     return _train_core(state, batch, clip_eps, dual_clip)

@@ -30,17 +30,14 @@ def check_int32(name: str, x) -> None:
         raise ValueError(f"{name} must be int32, got {x.dtype} with shape {x.shape}")
 
 
-def check_pages(q_name: str, q, k_pages, v_pages) -> tuple[int, int, int, int]:
-    """Validates a [P, Hkv, page_size, D] pool against q [..., Hq, D].
-
-    Returns (num_pages, num_kv_heads, page_size, group) where group = Hq // Hkv.
-    """
+def check_pages(q_name: str, q, k_pages, v_pages) -> None:
+    """Validates a [P, Hkv, page_size, D] pool against q [..., Hq, D]."""
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [P, Hkv, page_size, D], got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
         raise ValueError(
             f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    _, num_kv_heads, _, head_dim = k_pages.shape
     num_q_heads, q_dim = q.shape[-2], q.shape[-1]
     if q_dim != head_dim:
         raise ValueError(
@@ -52,7 +49,6 @@ def check_pages(q_name: str, q, k_pages, v_pages) -> tuple[int, int, int, int]:
             f"Hkv={num_kv_heads} (k_pages shape {k_pages.shape})")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"{q_name} must be floating point, got {q.dtype}")
-    return num_pages, num_kv_heads, page_size, num_q_heads // num_kv_heads
 
 
 def check_kernel_shapes(page_size: int, head_dim: int) -> None:

@@ -149,6 +149,13 @@ class TestBadRequests:
             engine.rollout(varied_params(0), 0, prompts, GREEDY, rng=jax.random.key(0))
         assert balanced(engine)
 
+    @pytest.mark.parametrize("prompts", [[1, 2, 3], [[1, 2.5]], [["a"]]])
+    def test_malformed_prompts_are_type_errors(self, prompts):
+        engine = make_engine()
+        with pytest.raises(TypeError, match="integer token ids"):
+            engine.rollout(varied_params(0), 0, prompts, GREEDY, rng=jax.random.key(0))
+        assert balanced(engine)
+
     def test_pool_too_small(self):
         engine = make_engine(num_pages=6)
         params = varied_params(0)
