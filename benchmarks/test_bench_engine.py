@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache import rollout_core
-from jaxrl_cache.engine import CacheConfig, RolloutEngine
-from jaxrl_cache.model import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
-from jaxrl_cache.sampling import SamplingParams, sample_tokens
+from jaxrl_cache.rollout import core as rollout_core
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine
+from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
+from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl_cache.shapes import bucket
-from jaxrl_cache.train import TrainState, make_batch, train_step
+from jaxrl_cache.rl.train import TrainState, make_batch, train_step
 
 pytestmark = pytest.mark.slow
 CONFIG = ModelConfig.tiny(vocab_size=32, max_seq_len=512)

@@ -1,7 +1,7 @@
 """Host-side cache bookkeeping: GRPO-shaped match+insert trace and the invalidation ack path."""
 import numpy as np
 
-from jaxrl_cache.radix_cache import RadixCache
+from jaxrl_cache.cache.radix import RadixCache
 
 PAGE = 16
 

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from jaxrl_cache.model import ModelConfig, forward, init_params
+from jaxrl_cache.models.llama import ModelConfig, forward, init_params
 
 CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
 

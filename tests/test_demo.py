@@ -6,8 +6,8 @@ import signal
 import numpy as np
 import pytest
 
-from jaxrl_cache import cli, demo
-from jaxrl_cache.tasks import EOS, ReverseDigits
+from jaxrl_cache.app import cli, demo
+from jaxrl_cache.app.tasks import EOS, ReverseDigits
 
 SMALL = dict(group_size=2, prompts_per_step=4, rollout_calls=2, max_new_tokens=5)
 

@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache import rollout_core
-from jaxrl_cache.engine import CacheConfig, RolloutEngine
+from jaxrl_cache.rollout import core as rollout_core
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.errors import CacheFullError, VersionError
-from jaxrl_cache.sampling import SamplingParams, behavior_log_probs
+from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
 from tests.helpers import CONFIG, dense_greedy, dense_logits, varied_params
 
 PS = 8

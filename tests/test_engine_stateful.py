@@ -8,10 +8,10 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from jaxrl_cache import rollout_core
-from jaxrl_cache.engine import CacheConfig, RolloutEngine
+from jaxrl_cache.rollout import core as rollout_core
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.errors import VersionError
-from jaxrl_cache.sampling import SamplingParams
+from jaxrl_cache.rollout.sampling import SamplingParams
 from tests.helpers import CONFIG, varied_params
 
 SYSTEM = list(range(10, 26))  # one shared page

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.model import (ModelConfig, decode_forward, forward, init_kv_cache, init_params,
+from jaxrl_cache.models.llama import (ModelConfig, decode_forward, forward, init_kv_cache, init_params,
                                prefill_forward)
 from tests.helpers import CONFIG, varied_params
 
@@ -67,7 +67,7 @@ def test_config_validation():
 def test_nnx_module_and_functional_params_agree():
     from flax import nnx
 
-    from jaxrl_cache.model import DecoderLM
+    from jaxrl_cache.models.llama import DecoderLM
     model = DecoderLM(CONFIG, rngs=nnx.Rngs(params=jax.random.key(7)))
     params = init_params(CONFIG, jax.random.key(7))
     for a, b in zip(jax.tree.leaves(model.params()), jax.tree.leaves(params)):

@@ -5,7 +5,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
-from jaxrl_cache.radix_cache import RadixCache
+from jaxrl_cache.cache.radix import RadixCache
 
 PS = 4
 

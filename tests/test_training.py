@@ -9,12 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_cache.audit import audit_attribution
-from jaxrl_cache.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from jaxrl_cache.engine import CacheConfig, RolloutEngine
+from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.errors import StalenessError, VersionError
-from jaxrl_cache.sampling import SamplingParams
-from jaxrl_cache.train import (TrainState, group_advantages, make_batch, optimizer_counts,
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rl.train import (TrainState, group_advantages, make_batch, optimizer_counts,
                                policy_log_probs, train_step)
 from tests.helpers import CONFIG, varied_params
 
@@ -157,8 +157,11 @@ class TestAudit:
             assert report.ok and report.max_abs_diff < 1e-4, report
 
     def test_catches_an_engine_that_reuses_stale_kv(self, state):
-        broken = RolloutEngine(CONFIG, CacheConfig(num_pages=128, page_size=8))
-        broken._unsafe_version_blind_cache = True
+        class VersionBlindEngine(RolloutEngine):  # one namespace for all versions: the bug
+            def _cache_key(self, version):
+                return 0
+
+        broken = VersionBlindEngine(CONFIG, CacheConfig(num_pages=128, page_size=8))
         old, new = state.params, varied_params(1)
         broken.rollout(old, 0, PROMPTS, SP, rng=jax.random.key(0))
         b = broken.rollout(new, 1, PROMPTS, SP, rng=jax.random.key(1))

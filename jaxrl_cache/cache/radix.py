@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
-from jaxrl_cache.page_pool import PagePool
+from jaxrl_cache.cache.page_pool import PagePool
 
 
 class _Node:

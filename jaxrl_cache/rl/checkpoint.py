@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl_cache.train import TrainState, optimizer_counts
+from jaxrl_cache.rl.train import TrainState, optimizer_counts
 
 
 class CheckpointError(ValueError):

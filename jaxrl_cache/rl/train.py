@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from jaxrl_cache.engine import RolloutBatch
+from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.errors import StalenessError
-from jaxrl_cache.model import ModelConfig, forward
-from jaxrl_cache.sampling import behavior_log_probs
+from jaxrl_cache.models.llama import ModelConfig, forward
+from jaxrl_cache.rollout.sampling import behavior_log_probs
 from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import as_version
 

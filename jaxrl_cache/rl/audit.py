@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_cache.engine import RolloutBatch
-from jaxrl_cache.model import ModelConfig
-from jaxrl_cache.train import pack_samples, teacher_forced_log_probs
+from jaxrl_cache.rollout.types import RolloutBatch
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.rl.train import pack_samples, teacher_forced_log_probs
 
 
 @dataclasses.dataclass(frozen=True)

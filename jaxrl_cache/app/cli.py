@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "-> train_step -> sync_weights. Writes metrics.jsonl, "
                               "reward.png and a checkpoint to --out. Ctrl-C stops after the "
                               "current step and saves."))
-    from jaxrl_cache.demo import DemoOptions
+    from jaxrl_cache.app.demo import DemoOptions
     d = DemoOptions()
     demo.add_argument("--steps", type=_positive_int, default=d.steps,
                       help="total optimizer steps (= final policy version) [%(default)s]")
@@ -88,7 +88,7 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
 
 
 def _demo(args) -> int:
-    from jaxrl_cache.demo import DemoOptions, run_demo
+    from jaxrl_cache.app.demo import DemoOptions, run_demo
     try:
         opts = DemoOptions(steps=args.steps, group_size=args.group_size,
                            prompts_per_step=args.prompts_per_step,

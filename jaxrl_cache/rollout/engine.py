@@ -16,63 +16,15 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxrl_cache import rollout_core
+from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.errors import VersionError
-from jaxrl_cache.model import ModelConfig, init_kv_cache, init_params
-from jaxrl_cache.radix_cache import CacheStats, RadixCache
-from jaxrl_cache.sampling import SamplingParams
+from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
+from jaxrl_cache.cache import CacheStats, RadixCache
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, WeightAck
 from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import as_version
 from kernels_pallas._common import next_power_of_2, resolve_backend
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheConfig:
-    num_pages: int = 512  # physical KV pages, page 0 included (the null page)
-    page_size: int = 16
-    prefix_cache: bool = True  # False: no radix reuse and no group sharing (a baseline)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    prompt_ids: tuple
-    output_ids: tuple
-    output_logprobs: np.ndarray  # f32 [len(output_ids)] behavior logprobs (see sampling.py)
-    behavior_version: int
-    token_versions: np.ndarray  # int64 [len(output_ids)] version that produced each token
-    cached_tokens: int  # prompt tokens whose KV came from the radix cache
-    finish_reason: str  # "stop" (a stop token, included) or "length"
-    group: int  # index of the prompt in the rollout call
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightAck:
-    version: int
-    previous_version: int
-    invalidated_pages: int
-    seconds: float
-    cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutBatch:
-    samples: list
-    version: int
-    sampling: SamplingParams
-    prefill_tokens: int  # prompt tokens whose KV was computed
-    reused_tokens: int  # prompt tokens not recomputed (radix hits + group sharing)
-    cached_tokens: int  # prompt tokens served by the radix cache
-    decode_steps: int
-    seconds: float
-    sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.samples)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(s.prompt_ids) for s in self.samples)
 
 
 def _same_leaves(tree, leaves) -> bool:
@@ -98,9 +50,11 @@ class RolloutEngine:
                                                 cache_config.page_size), self.device)
         self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
                                             jax.random.key(0))
-        # Test-only switch that reproduces the stale-KV bug of public projects: one cache
-        # namespace for all versions and no invalidation. The audit must catch it.
-        self._unsafe_version_blind_cache = False
+
+    def _cache_key(self, version: int) -> int:
+        """The radix namespace of `version`: the version itself (invariant 1). Tests override
+        it to reproduce the stale-KV bug of public projects and check the audit catches it."""
+        return version
 
     @property
     def version(self) -> int:
@@ -134,9 +88,7 @@ class RolloutEngine:
                              tuple(self.cache.versions()))
         self._check_params(params)
         resident = jax.block_until_ready(jax.device_put(params, self.device))
-        invalidated = 0
-        if not self._unsafe_version_blind_cache:
-            invalidated = self.cache.invalidate_before(version)
+        invalidated = self.cache.invalidate_before(self._cache_key(version))
         # commit: nothing below can fail
         self._params, self._params_source = resident, tuple(jax.tree.leaves(params))
         self._version = version
@@ -208,7 +160,7 @@ class RolloutEngine:
         ps = self.cache_config.page_size
         n_new = sampling.max_new_tokens
         share = self.cache_config.prefix_cache
-        key_version = 0 if self._unsafe_version_blind_cache else version
+        key_version = self._cache_key(version)
         # Without sharing, each sample is its own group of one.
         groups = prompts if share else [p for p in prompts for _ in range(sampling.n)]
         per_group = sampling.n if share else 1

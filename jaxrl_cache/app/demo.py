@@ -17,13 +17,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxrl_cache.audit import audit_attribution
-from jaxrl_cache.checkpoint import restore_checkpoint, save_checkpoint
-from jaxrl_cache.engine import CacheConfig, RolloutEngine
-from jaxrl_cache.model import ModelConfig, init_params
-from jaxrl_cache.sampling import SamplingParams
-from jaxrl_cache.tasks import EOS, ReverseDigits
-from jaxrl_cache.train import TrainState, make_batch, make_optimizer, train_step
+from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rl.checkpoint import restore_checkpoint, save_checkpoint
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine
+from jaxrl_cache.models.llama import ModelConfig, init_params
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.app.tasks import EOS, ReverseDigits
+from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
 
 
 @dataclasses.dataclass(frozen=True)

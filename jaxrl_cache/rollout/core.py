@@ -9,8 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_cache.model import ModelConfig, decode_forward, prefill_forward
-from jaxrl_cache.sampling import sample_tokens
+from jaxrl_cache.models.llama import ModelConfig, decode_forward, prefill_forward
+from jaxrl_cache.rollout.sampling import sample_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))

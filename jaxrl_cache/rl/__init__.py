@@ -1,0 +1,1 @@
+"""Training side: the versioned train step, the attribution audit, checkpoints."""

@@ -1,0 +1,7 @@
+"""Generation: sampling, the jitted prefill/decode core, and the engine around them."""
+from jaxrl_cache.rollout.engine import RolloutEngine
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, WeightAck
+
+__all__ = ["RolloutEngine", "SamplingParams", "CacheConfig", "RolloutBatch", "Sample",
+           "WeightAck"]

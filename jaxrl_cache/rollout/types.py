@@ -1,0 +1,57 @@
+"""What the rollout engine is configured with and what it returns."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxrl_cache.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    num_pages: int = 512  # physical KV pages, page 0 included (the null page)
+    page_size: int = 16
+    prefix_cache: bool = True  # False: no radix reuse and no group sharing (a baseline)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    prompt_ids: tuple
+    output_ids: tuple
+    output_logprobs: np.ndarray  # f32 [len(output_ids)] behavior logprobs (see sampling.py)
+    behavior_version: int
+    token_versions: np.ndarray  # int64 [len(output_ids)] version that produced each token
+    cached_tokens: int  # prompt tokens whose KV came from the radix cache
+    finish_reason: str  # "stop" (a stop token, included) or "length"
+    group: int  # index of the prompt in the rollout call
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightAck:
+    version: int
+    previous_version: int
+    invalidated_pages: int
+    seconds: float
+    cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    samples: list
+    version: int
+    sampling: SamplingParams
+    prefill_tokens: int  # prompt tokens whose KV was computed
+    reused_tokens: int  # prompt tokens not recomputed (radix hits + group sharing)
+    cached_tokens: int  # prompt tokens served by the radix cache
+    decode_steps: int
+    seconds: float
+    sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.samples)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.prompt_ids) for s in self.samples)
