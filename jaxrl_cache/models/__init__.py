@@ -1,7 +1,7 @@
 """The policy model: config, the Llama-family decoder (dense and paged forwards)."""
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.llama import (DecoderLM, decode_forward, forward, init_kv_cache,
+from jaxrl_cache.models.llama import (DecoderLM, copy_pages, decode_forward, forward, init_kv_cache,
                                       init_params, prefill_forward)
 
-__all__ = ["ModelConfig", "DecoderLM", "decode_forward", "forward", "init_kv_cache",
+__all__ = ["ModelConfig", "DecoderLM", "copy_pages", "decode_forward", "forward", "init_kv_cache",
            "init_params", "prefill_forward"]

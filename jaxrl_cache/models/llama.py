@@ -157,6 +157,12 @@ def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int):
                  for _ in range(config.n_layers))
 
 
+def copy_pages(kv_cache, src, dst):
+    """Copies pages src[i] -> dst[i] in every layer. src, dst int32 [C] (0 -> 0 is a no-op
+    pad: the null page copied onto itself)."""
+    return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv_cache)
+
+
 def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, token_pos,
                     page_table, cu_q_lens, kv_lens, logit_index, *, backend: str):
     """Paged prefill of packed new tokens; writes their KV, returns chosen rows' logits.

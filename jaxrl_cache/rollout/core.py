@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_cache.models.llama import ModelConfig, decode_forward, prefill_forward
+from jaxrl_cache.models import ModelConfig, copy_pages, decode_forward, prefill_forward
 from jaxrl_cache.rollout.sampling import sample_tokens
 
 
@@ -35,8 +35,7 @@ def decode_loop(params, kv_cache, group_logits, row_group, row_pos, page_table, 
     Returns (tokens int32 [B, M], logprobs f32 [B, M], lengths int32 [B], stopped bool [B],
     steps int32 [], kv_cache').
     """
-    kv_cache = tuple((k.at[copy_dst].set(k[copy_src]), v.at[copy_dst].set(v[copy_src]))
-                     for k, v in kv_cache)
+    kv_cache = copy_pages(kv_cache, copy_src, copy_dst)
     batch, m = row_group.shape[0], max_new_tokens
     active = row_group >= 0
     key, sub = jax.random.split(key)
