@@ -31,5 +31,5 @@ def as_version(value, name: str = "version") -> int:
                             f"{type(value).__name__} {value!r:.80}")
     version = int(value)
     if not 0 <= version <= MAX_VERSION:
-        raise VersionError(f"{name} must be in [0, {MAX_VERSION}] (int32), got {version}")
+        raise VersionError(f"{name} must be >= 0 and <= {MAX_VERSION} (int32), got {version}")
     return version

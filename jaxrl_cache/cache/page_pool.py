@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError
 from jaxrl_cache.interrupts import deferred_signals
-
-
-def as_count(value, name: str, *, minimum: int = 0) -> int:
-    """`value` as a Python int >= minimum; numpy integers accepted, bools and floats refused."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r:.80}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
@@ -35,7 +27,7 @@ def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
 
 class PagePool:
     def __init__(self, num_pages: int):
-        num_pages = as_count(num_pages, "num_pages", minimum=2)  # page 0 is the null page
+        num_pages = as_count(num_pages, "num_pages", minimum=2, maximum=2**31 - 1)  # int32 ids
         self.num_pages = num_pages
         self.refcount = np.zeros(num_pages, np.int32)  # [P]
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)  # stack, top at the end

@@ -26,7 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl_cache.cache.page_pool import PagePool, as_count, as_page_ids
+from jaxrl_cache.cache.page_pool import PagePool, as_page_ids
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.versioning import as_version
