@@ -17,6 +17,7 @@ import pytest
 import jaxrl_cache.cache
 import jaxrl_cache.interrupts as interrupts
 from jaxrl_cache.cache import Lease, RadixCache
+from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 
 PS = 4
 TRACED = (str(pathlib.Path(jaxrl_cache.cache.__file__).parent), interrupts.__file__)
@@ -158,3 +159,83 @@ def test_deferred_signal_is_delivered_once_after_the_section():
                 signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
             done = True  # still deferred
     assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_real_sigint_is_deferred_past_the_section():
+    import os
+    import time
+    done = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler would run here; it only records
+            done = True
+    assert done and interrupts._state.owner is None
+
+
+def test_real_sigints_at_random_moments_never_corrupt_or_leak():
+    """A thread fires real SIGINTs at the process while the main thread runs request cycles
+    (acquire, insert, evict, release, invalidate), every reference held via leases. The SIGINT
+    handler raises KeyboardInterrupt like the default one, but only while a cycle is armed (so
+    the test's own loop is never hit) and at most once per cycle."""
+    import os
+    import random
+    import threading
+    import time
+    cache, leases, rng = RadixCache(24, PS), [], random.Random(0)
+    stop, armed = threading.Event(), [False]
+
+    def on_sigint(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def fire():
+        while not stop.is_set():
+            time.sleep(rng.uniform(0.0002, 0.002))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def cycle(v, prompt):
+        try:
+            armed[0] = True
+            lease = Lease()
+            leases.append(lease)
+            try:
+                (m,), fresh = cache.acquire(v, [prompt], 4 - len(prompt) // PS + 2, lease=lease)
+                cache.insert(v, prompt, np.concatenate([m.pages, fresh]))
+                if len(leases) % 7 == 0:
+                    cache.evict(2)
+            finally:
+                cache.release(lease)
+            cache.invalidate_before(v)
+        finally:
+            armed[0] = False
+
+    thread = threading.Thread(target=fire, daemon=True)
+    interrupted = cycles = 0
+    deadline = time.monotonic() + 1.5
+    signal.signal(signal.SIGINT, on_sigint)
+    thread.start()
+    try:
+        while time.monotonic() < deadline:
+            try:
+                cycle(cycles // 20, SYS + [cycles % 3] * 4 + [5])
+            except KeyboardInterrupt:
+                interrupted += 1
+            except (CacheFullError, PinnedPagesError):  # a lease left live by an interrupt
+                for lease in leases:
+                    cache.release(lease)
+            cycles += 1
+    finally:
+        stop.set()
+        thread.join()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert interrupted > 10 and cycles > interrupted
+    cache.check_invariants()
+    held = np.bincount(np.concatenate([lease.pages for lease in leases] + [np.zeros(0, int)]),
+                       minlength=cache.pool.num_pages)
+    np.testing.assert_array_equal(cache.pool.refcount, held + cache._in_trie)
+    for lease in leases:
+        cache.release(lease)
+    cache.clear()
+    assert cache.pool.num_free == cache.pool.num_pages - 1
