@@ -323,51 +323,51 @@ class _Run:
 
     def _try_unit(self, g, j, prompt, rows, pending, budget):
         """Matches, allocates and lays out a unit of up to `rows` samples (fewer if pages are
-        short); None if not even one fits now or the prefill budget is spent."""
+        short); None, changing nothing, if not even one fits now or the prefill budget of
+        this round is spent (budget None: the round's first unit, always within budget)."""
         cache, ps, n_new = self.cache, self.ps, self.sampling.max_new_tokens
-        matched = self._match(prompt, pending)
-        try:
-            cached = matched.size * ps
-            if budget is not None and len(prompt) - cached > budget:
-                raise CacheFullError("prefill budget")  # admit it in the next round
-            for m in range(rows, 0, -1):
-                shared, own = scheduler.unit_page_need(len(prompt), cached, m, n_new, ps)
-                if shared + m * own <= cache.available_pages:
-                    break
-            else:
-                raise CacheFullError("no pages now")  # wait for running rows to retire
-            fresh = cache.alloc(shared + m * own)
-        except CacheFullError:
-            cache.release(matched)
+        head = prompt[:-1]  # the last prompt token is always computed: its logits start decode
+        in_trie = cache.peek(self.key, head) if self.share else 0
+        extra = self._pending_pages(head, in_trie, pending)
+        cached = (in_trie + extra.size) * ps
+        if budget is not None and len(prompt) - cached > budget:
             return None
+        available = cache.available_pages - in_trie  # pinning may take evictable pages
+        for m in range(rows, 0, -1):
+            shared, own = scheduler.unit_page_need(len(prompt), cached, m, n_new, ps)
+            if shared + m * own <= available:
+                break
+        else:
+            return None
+        try:
+            matches, fresh = cache.acquire(self.key, [head] if self.share else [],
+                                           shared + m * own)
+        except CacheFullError:
+            return None
+        cache.pool.incref(extra)
+        matched = np.concatenate([matches[0].pages if matches else np.zeros(0, np.int32),
+                                  extra]).astype(np.int32)
         unit = scheduler.layout_unit(g, prompt, g * self.sampling.n + j, matched, fresh, m,
                                      n_new, ps)
-        # every row holds one reference to each of its prefix pages
         prefix = unit.rows[0].pages[:len(prompt) // ps]
-        for _ in range(m - 1):
+        for _ in range(m - 1):  # every row holds one reference to each of its prefix pages
             cache.pool.incref(prefix)
         if self.share:
             self._remember(pending, prompt, prefix)
         return unit
 
-    def _match(self, prompt, pending) -> np.ndarray:
-        """Pinned pages of the longest cached prefix of prompt[:-1]: the trie, then pages
-        prefilled by earlier units of this round (pending, not yet in the trie)."""
-        if not self.share:
-            return np.zeros(0, np.int32)
-        hit = self.cache.match(self.key, prompt[:-1])
-        keys = self.cache.page_keys(prompt[:-1])
+    def _pending_pages(self, head, skip: int, pending) -> np.ndarray:
+        """Pages of head's full pages beyond the first `skip` that earlier units of this round
+        are prefilling (not yet in the trie; their rows hold them)."""
         node, extra = pending, []
-        for i, key in enumerate(keys):
+        for i, key in enumerate(self.cache.page_keys(head) if self.share else ()):
             entry = node.get(key)
             if entry is None:
                 break
             page, node = entry
-            if i >= hit.pages.size:
+            if i >= skip:
                 extra.append(page)
-        extra = np.asarray(extra, np.int32)
-        self.cache.pool.incref(extra)
-        return np.concatenate([hit.pages, extra]).astype(np.int32)
+        return np.asarray(extra, np.int32)
 
     def _remember(self, pending, prompt, pages) -> None:
         node = pending

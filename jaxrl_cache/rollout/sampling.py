@@ -8,9 +8,13 @@ the audit use `behavior_log_probs` with the same parameters, so the two always a
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_cache.checks import as_count, as_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,18 +27,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got "
-                             f"{self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        """Checks and normalises every knob (numpy scalars become Python numbers): integers
+        must be real integers (not bools, not 2.5), reals finite. Stop ids must be a sequence
+        of non-negative integers; the engine checks them against its vocabulary."""
+        norm = dict(n=as_count(self.n, "n", minimum=1),
+                    max_new_tokens=as_count(self.max_new_tokens, "max_new_tokens", minimum=1),
+                    temperature=as_real(self.temperature, "temperature", minimum=0.0),
+                    top_p=as_real(self.top_p, "top_p", minimum=0.0, maximum=1.0,
+                                  open_min=True),
+                    top_k=as_count(self.top_k, "top_k"))
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got "
+                            f"{type(stops).__name__} {stops!r:.80}")
+        norm["stop_token_ids"] = tuple(as_count(t, f"stop_token_ids[{i}]")
+                                       for i, t in enumerate(stops))
+        for name, value in norm.items():
+            object.__setattr__(self, name, value)
 
     def as_arrays(self) -> dict:
         """Traced knobs: changing them never recompiles."""

@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.rollout.sampling import SamplingParams
 
 
@@ -13,6 +14,18 @@ class CacheConfig:
     num_pages: int = 512  # physical KV pages, page 0 included (the null page)
     page_size: int = 16
     prefix_cache: bool = True  # False: no radix reuse and no group sharing (a baseline)
+
+    def __post_init__(self):
+        """Types and ranges only (numpy ints accepted); the engine checks the pool's bytes
+        against the model and the device when it builds the pool."""
+        object.__setattr__(self, "num_pages", as_count(self.num_pages, "num_pages", minimum=2,
+                                                       maximum=2**31 - 1))  # int32 page ids
+        object.__setattr__(self, "page_size", as_count(self.page_size, "page_size", minimum=1,
+                                                       maximum=2**16))
+        if not isinstance(self.prefix_cache, (bool, np.bool_)):
+            raise TypeError(f"prefix_cache must be a bool, got "
+                            f"{type(self.prefix_cache).__name__} {self.prefix_cache!r:.80}")
+        object.__setattr__(self, "prefix_cache", bool(self.prefix_cache))
 
 
 @dataclasses.dataclass(frozen=True)
