@@ -11,11 +11,12 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas._common import MASK_VALUE
 
 
-def paged_flash_loop(q, k_ref, v_ref, pages_ref, num_blocks, *, pages_per_block: int,
-                     sm_scale: float, mask: Callable):
+def paged_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, num_blocks, *,
+                     pages_per_block: int, sm_scale: float, mask: Callable):
     """Online softmax of q over `num_blocks` blocks of pages_per_block pages each.
 
-    q [rows, D]; k_ref, v_ref [P, page_size, D] (one kv head); pages_ref int32 [W];
+    q [rows, D]; k_ref, v_ref [L*P, page_size, D] (one kv head, layers flattened);
+    pages_ref int32 [W] page ids within the layer; page_offset int32 scalar (layer * P);
     mask(i, block_k) -> bool [rows or 1, block_k], True where block i's key is visible.
     Returns (o f32 [rows, D] unnormalised, m f32 [rows] row max, l f32 [rows] row sum).
     """
@@ -24,7 +25,7 @@ def paged_flash_loop(q, k_ref, v_ref, pages_ref, num_blocks, *, pages_per_block:
 
     def body(i, carry):
         o, m, l = carry
-        page_ids = pages_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        page_ids = pages_ref[pl.ds(i * pages_per_block, pages_per_block)] + page_offset
         k = k_ref[page_ids].reshape(block_k, head_dim)
         v = v_ref[page_ids].reshape(block_k, head_dim)
         s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [rows, block_k]

@@ -21,10 +21,10 @@ from kernels_pallas._flash import paged_flash_loop
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, o_ref, l_ref, m_ref, *,
+def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, o_ref, l_ref, m_ref, *,
                    sm_scale: float, page_size: int, pages_per_block: int):
-    # q_ref [G_pad, D]; k_ref/v_ref [P, page_size, D] (this program's kv head);
-    # pages_ref int32 [pages_per_split]; len_ref int32 [1];
+    # q_ref [G_pad, D]; k_ref/v_ref [L*P, page_size, D] (this program's kv head);
+    # pages_ref int32 [pages_per_split]; len_ref int32 [1]; offset_ref int32 [1] (layer * P);
     # o_ref f32 [G_pad, D]; l_ref, m_ref f32 [G_pad]
     split = pl.program_id(2)
     pages_per_split = pages_ref.shape[0]
@@ -37,7 +37,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, o_ref, l_ref, m_ref,
         pos = (first_page + i * pages_per_block) * page_size + jnp.arange(block_k)
         return (pos < seq_len)[None, :]
 
-    o, m, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, num_blocks,
+    o, m, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, offset_ref[0], num_blocks,
                                pages_per_block=pages_per_block, sm_scale=sm_scale,
                                mask=visible)
     o_ref[...] = o
@@ -58,8 +58,9 @@ def merge_splits(o, l, m):
     return jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
-def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, pages_per_block,
-                   num_splits, num_warps, num_stages, interpret):
+def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, sm_scale,
+                   pages_per_block, num_splits, num_warps, num_stages, interpret):
+    # k_pages/v_pages [L*P, Hkv, ps, D] (flattened pool); page_offset int32 scalar
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -95,6 +96,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, pages
             pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, s: (0, h, 0, 0)),
             pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
             pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((1,), lambda b, h, s: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -109,19 +111,24 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, pages
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_decode_attention",
-    )(qg, k_pages, v_pages, page_table, seq_lens)
+    )(qg, k_pages, v_pages, page_table, seq_lens, page_offset.reshape(1))
     out = merge_splits(o, l, m)[:, :, :group]  # [B, Hkv, G, D]
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None):
+def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
+                           sm_scale=None):
     """Pure-jnp paged decode: gathers each row's pages once, then dense masked attention.
 
-    q [B, Hq, D]; k_pages/v_pages [P, Hkv, page_size, D]; page_table int32 [B, W];
-    seq_lens int32 [B] -> [B, Hq, D]. This is the `xla` backend (the fast CPU path).
+    q [B, Hq, D]; k_pages/v_pages [P, Hkv, page_size, D] or [L, P, Hkv, page_size, D] with
+    `layer`; page_table int32 [B, W]; seq_lens int32 [B] -> [B, Hq, D]. This is the `xla`
+    backend (the fast CPU path); it gathers the table's pages of one layer, never the layer.
     """
     batch, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    *_, num_kv_heads, page_size, _ = k_pages.shape
+    k_pages, page_offset = c.flatten_pool(k_pages, layer)
+    v_pages, _ = c.flatten_pool(v_pages, layer)
+    page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
 
@@ -145,18 +152,19 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "backend", "pages_per_block", "num_splits", "num_warps", "num_stages"))
-def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
-                           backend="auto", pages_per_block=None, num_splits=None,
-                           num_warps=4, num_stages=2):
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
+                           sm_scale=None, backend="auto", pages_per_block=None,
+                           num_splits=None, num_warps=4, num_stages=2):
     """Attention of one query token per sequence over its pages.
 
-    q [B, Hq, D]; k_pages, v_pages [P, Hkv, page_size, D] (page 0 is the null page);
+    q [B, Hq, D]; k_pages, v_pages [P, Hkv, page_size, D] (page 0 is the null page), or a
+    stacked [L, P, Hkv, page_size, D] pool with `layer` an int32 scalar (may be traced);
     page_table int32 [B, W] (unused slots hold 0); seq_lens int32 [B] (0 = padded row).
     Returns [B, Hq, D] in q's dtype; fp32 accumulation; rows with seq_len 0 are zeros.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
-    c.check_pages("q", q, k_pages, v_pages)
+    c.check_pages("q", q, k_pages, v_pages, layer)
     c.check_int32("page_table", page_table)
     c.check_int32("seq_lens", seq_lens)
     if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
@@ -166,9 +174,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     backend = c.resolve_backend(backend)
     scale = c.default_scale(sm_scale, q.shape[-1])
     if backend == "xla":
-        return paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, sm_scale=scale)
-    c.check_kernel_shapes(k_pages.shape[2], q.shape[-1])
-    return _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, sm_scale=scale,
+        return paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, layer=layer,
+                                      sm_scale=scale)
+    c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
+    k_flat, page_offset = c.flatten_pool(k_pages, layer)
+    v_flat, _ = c.flatten_pool(v_pages, layer)
+    return _decode_pallas(q, k_flat, v_flat, page_offset, page_table, seq_lens, sm_scale=scale,
                           pages_per_block=pages_per_block, num_splits=num_splits,
                           num_warps=num_warps, num_stages=num_stages,
                           interpret=backend == "interpret")

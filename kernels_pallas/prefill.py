@@ -23,7 +23,7 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
                     page_size: int, pages_per_block: int, group_rows: int):
     # q_ref [block_q * G_pad, D] (row r is token r // G_pad); k_ref/v_ref [P, page_size, D];
     # pages_ref int32 [W] (this tile's sequence); info_ref int32 [4] = (first q position,
-    # kv_len, 0, 0); o_ref [block_q * G_pad, D]
+    # kv_len, page offset of the layer, 0); o_ref [block_q * G_pad, D]
     rows = q_ref.shape[0]
     block_k = pages_per_block * page_size
     q_pos0 = info_ref[0]
@@ -36,7 +36,7 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
         col_pos = i * block_k + jnp.arange(block_k)
         return (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
 
-    o, _, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, num_blocks,
+    o, _, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, info_ref[2], num_blocks,
                                pages_per_block=pages_per_block, sm_scale=sm_scale,
                                mask=visible)
     o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -76,8 +76,9 @@ def _scatter_tiles(out, src, num_tokens: int):
                                           mode="drop")[:num_tokens]
 
 
-def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q,
-                    pages_per_block, num_warps, num_stages, interpret):
+def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_lens, *,
+                    sm_scale, block_q, pages_per_block, num_warps, num_stages, interpret):
+    # k_pages/v_pages [L*P, Hkv, ps, D] (flattened pool); page_offset int32 scalar
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -102,7 +103,7 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_s
     tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
     zeros = jnp.zeros_like(tile_seq)
-    info = jnp.stack([q_pos0, kv_len, zeros, zeros], axis=1)  # [NT, 4]
+    info = jnp.stack([q_pos0, kv_len, zeros + page_offset, zeros], axis=1)  # [NT, 4]
     tile_pages = page_table[tile_seq]  # [NT, W]
 
     # Gather q into [NT, Hkv, block_q * G_pad, D]; rows past a sequence's end are zeros.
@@ -137,15 +138,18 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_s
 
 
 def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
-                            sm_scale=None, block_q: int = 32):
+                            layer=None, sm_scale=None, block_q: int = 32):
     """Pure-jnp paged prefill (the `xla` backend).
 
     Query tiles of block_q tokens each gather their sequence's pages once and run a dense
     masked attention; memory O(T / block_q * W * page_size), fine on CPU for the demo.
-    Shapes as `paged_prefill_attention`.
+    Shapes as `paged_prefill_attention`; gathers the table's pages of one layer, never the layer.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    *_, num_kv_heads, page_size, _ = k_pages.shape
+    k_pages, page_offset = c.flatten_pool(k_pages, layer)
+    v_pages, _ = c.flatten_pool(v_pages, layer)
+    page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
     block_q = min(block_q, c.next_power_of_2(num_tokens))
@@ -178,18 +182,19 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "backend", "block_q", "pages_per_block", "num_warps", "num_stages"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
-                            sm_scale=None, backend="auto", block_q=None, pages_per_block=None,
-                            num_warps=None, num_stages=2):
+                            layer=None, sm_scale=None, backend="auto", block_q=None,
+                            pages_per_block=None, num_warps=None, num_stages=2):
     """Causal attention of packed new tokens over their sequences' pages.
 
     q [T, Hq, D] packed new tokens (T may exceed cu_q_lens[-1]; padded rows return zeros);
-    k_pages, v_pages [P, Hkv, page_size, D]; page_table int32 [B, W];
+    k_pages, v_pages [P, Hkv, page_size, D], or stacked [L, P, Hkv, page_size, D] with `layer`
+    an int32 scalar (may be traced); page_table int32 [B, W];
     cu_q_lens int32 [B + 1] offsets of each sequence's new tokens; kv_lens int32 [B] cached
     prefix + new tokens. Returns [T, Hq, D] in q's dtype with fp32 accumulation.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    c.check_pages("q", q, k_pages, v_pages)
+    c.check_pages("q", q, k_pages, v_pages, layer)
     for name, x in (("page_table", page_table), ("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens)):
         c.check_int32(name, x)
     if page_table.ndim != 2:
@@ -203,9 +208,12 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     scale = c.default_scale(sm_scale, q.shape[-1])
     if backend == "xla":
         return paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
-                                       sm_scale=scale)
-    c.check_kernel_shapes(k_pages.shape[2], q.shape[-1])
-    return _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=scale,
+                                       layer=layer, sm_scale=scale)
+    c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
+    k_flat, page_offset = c.flatten_pool(k_pages, layer)
+    v_flat, _ = c.flatten_pool(v_pages, layer)
+    return _prefill_pallas(q, k_flat, v_flat, page_offset, page_table, cu_q_lens, kv_lens,
+                           sm_scale=scale,
                            block_q=block_q, pages_per_block=pages_per_block,
                            num_warps=num_warps, num_stages=num_stages,
                            interpret=backend == "interpret")

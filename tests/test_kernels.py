@@ -13,8 +13,10 @@ from tests.dense_reference import dense_attention, gather_tokens
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-def random_pool(rng, num_pages, num_kv_heads, page_size, head_dim, dtype):
+def random_pool(rng, num_pages, num_kv_heads, page_size, head_dim, dtype, layers=None):
+    """[P, Hkv, ps, D] pools, or stacked [layers, P, Hkv, ps, D] ones."""
     shape = (num_pages, num_kv_heads, page_size, head_dim)
+    shape = shape if layers is None else (layers,) + shape
     k = jnp.asarray(rng.standard_normal(shape), dtype)
     v = jnp.asarray(rng.standard_normal(shape), dtype)
     return k, v
@@ -26,17 +28,25 @@ def random_page_table(rng, num_seqs, width, num_pages):
     return pages.reshape(num_seqs, width).astype(np.int32)
 
 
-def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
+def stacked_args(k_pages, v_pages, layer):
+    """(kernel keyword args, the layer's [P, Hkv, ps, D] pools as float64 numpy)."""
+    k, v = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    if layer is None:
+        return {}, k, v
+    return {"layer": jnp.int32(layer)}, k[layer], v[layer]
+
+
+def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0, layers=None, layer=None):
     rng = np.random.default_rng(seed)
     lens = [1, 2 * page_size, 2 * page_size + 3, 0]  # single token, exact pages, ragged, pad
     width = 4
     num_pages = len(lens) * width + 3
-    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(lens), width, num_pages)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, head_dim)), dtype)
+    layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     out = paged_decode_attention(q, k_pages, v_pages, jnp.asarray(table),
-                                 jnp.asarray(lens, jnp.int32), backend=backend)
-    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+                                 jnp.asarray(lens, jnp.int32), backend=backend, **layer_args)
     qf = np.asarray(q, np.float64)
     for b, n in enumerate(lens):
         ref = dense_attention(qf[b:b + 1], gather_tokens(kf, table[b], n),
@@ -45,23 +55,24 @@ def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
     assert not np.isnan(np.asarray(out, np.float32)).any()
 
 
-def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, **kernel_args):
+def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, layers=None,
+                 layer=None, **kernel_args):
     rng = np.random.default_rng(seed)
     q_lens = [page_size + 3, 1, 2 * page_size]  # ragged, single token, exact pages
     cached_lens = [page_size, 2 * page_size, page_size] if cached else [0, 0, 0]
     kv_lens = [c + n for c, n in zip(cached_lens, q_lens)]
     width = max(-(-n // page_size) for n in kv_lens) + 1
     num_pages = len(q_lens) * width + 2
-    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(q_lens), width, num_pages)
+    layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     total = sum(q_lens)
     padded = total + 5  # padded T
     q = jnp.asarray(rng.standard_normal((padded, hq, head_dim)), dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(cu),
                                   jnp.asarray(kv_lens, jnp.int32), backend=backend,
-                                  **kernel_args)
-    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+                                  **layer_args, **kernel_args)
     qf = np.asarray(q, np.float64)
     for b in range(len(q_lens)):
         rows = slice(cu[b], cu[b + 1])
@@ -182,6 +193,54 @@ def test_write_kv_matches_numpy_and_drops_padding():
     np.testing.assert_array_equal(np.asarray(k_don), want_k)
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_stacked_pool_reads_only_its_layer(backend):
+    """[L, P, Hkv, ps, D] pools with a layer index match numpy on that layer's pages."""
+    decode_case(backend, 16, 8, 2, 64, jnp.float32, seed=7, layers=3, layer=2)
+    prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=7, layers=3, layer=1)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_stacked_pool_traced_layer_in_scan(backend):
+    """A layer index traced inside lax.scan (the model's layer loop) picks each layer's pages."""
+    rng = np.random.default_rng(8)
+    layers, num_pages = 3, 12
+    k_pages, v_pages = random_pool(rng, num_pages, 2, 8, 64, jnp.float32, layers)
+    table = jnp.asarray(random_page_table(rng, 2, 3, num_pages))
+    lens = jnp.asarray([5, 20], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+
+    def step(carry, layer):
+        return carry, paged_decode_attention(q, k_pages, v_pages, table, lens, layer=layer,
+                                             backend=backend)
+
+    _, outs = jax.lax.scan(step, None, jnp.arange(layers, dtype=jnp.int32))
+    for layer in range(layers):
+        want = paged_decode_attention(q, k_pages[layer], v_pages[layer], table, lens,
+                                      backend="xla")
+        np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(want), atol=2e-5,
+                                   rtol=2e-5)
+
+
+def test_write_kv_stacked_pool_writes_one_layer():
+    rng = np.random.default_rng(9)
+    k_pages, v_pages = random_pool(rng, 6, 2, 4, 8, jnp.float32, layers=3)
+    table = np.array([[3, 1], [5, 2]], np.int32)
+    seq, pos = np.array([0, 1, 1], np.int32), np.array([5, 0, -1], np.int32)
+    k_new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    v_new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    want_k, want_v = np.array(k_pages), np.array(v_pages)
+    for t in range(2):  # token 2 is padding
+        page = table[seq[t], pos[t] // 4]
+        want_k[1, page, :, pos[t] % 4] = k_new[t]
+        want_v[1, page, :, pos[t] % 4] = v_new[t]
+    k_out, v_out = write_kv_jit(jnp.array(k_pages), jnp.array(v_pages), jnp.asarray(k_new),
+                                jnp.asarray(v_new), jnp.asarray(table), jnp.asarray(seq),
+                                jnp.asarray(pos), layer=jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+
+
 class TestBadInput:
     def setup_method(self):
         self.k = jnp.zeros((8, 2, 16, 64), jnp.float32)
@@ -223,6 +282,16 @@ class TestBadInput:
             paged_decode_attention(self.q, k, k, self.table, self.lens, backend="interpret")
         # the xla reference has no such restriction
         paged_decode_attention(self.q, k, k, self.table, self.lens, backend="xla")
+
+    def test_layer_and_pool_rank_must_agree(self):
+        with pytest.raises(ValueError, match="needs layer"):
+            paged_decode_attention(self.q, self.k[None], self.k[None], self.table, self.lens)
+        with pytest.raises(ValueError, match="only valid with a stacked"):
+            paged_decode_attention(self.q, self.k, self.k, self.table, self.lens,
+                                   layer=jnp.int32(0))
+        with pytest.raises(ValueError, match="layer must be an int32 scalar"):
+            paged_decode_attention(self.q, self.k[None], self.k[None], self.table, self.lens,
+                                   layer=jnp.zeros((2,), jnp.int32))
 
     def test_unknown_backend(self):
         with pytest.raises(ValueError, match="backend"):
