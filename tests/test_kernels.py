@@ -145,10 +145,11 @@ def test_prefill_sequence_without_new_tokens(backend):
         np.testing.assert_allclose(np.asarray(out[cu[b]:cu[b + 1]]), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("block_q,pages_per_block", [(4, 1), (8, 2)])
-def test_prefill_interpret_many_tiles_per_sequence(block_q, pages_per_block):
-    """Small query tiles: several tiles per sequence, each stopping at its causal bound."""
-    prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_q=block_q,
+@pytest.mark.parametrize("block_rows,pages_per_block", [(16, 1), (32, 2)])
+def test_prefill_interpret_many_tiles_per_sequence(block_rows, pages_per_block):
+    """Small query tiles (4 and 8 tokens of a group of 4): several tiles per sequence, each
+    stopping at its causal bound, run longest first."""
+    prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_rows=block_rows,
                  pages_per_block=pages_per_block)
 
 
