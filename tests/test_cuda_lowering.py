@@ -38,6 +38,24 @@ def test_prefill_lowers_to_triton_kernel(pages, tokens, width):
     assert "paged_prefill_attention" in text
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("batch", [1, 64])  # split (merged in XLA) and unsplit (one launch)
+def test_every_head_size_lowers(head_dim, batch):
+    q = jax.ShapeDtypeStruct((batch, HQ, head_dim), jnp.bfloat16)
+    pool_d = jax.ShapeDtypeStruct((PAGES, HKV, PAGE, head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, WIDTH), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    text = lower_for_cuda(
+        lambda *a: paged_decode_attention(*a, backend="pallas", num_sms=132),
+        q, pool_d, pool_d, table, lens)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    text = lower_for_cuda(
+        lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas"),
+        jax.ShapeDtypeStruct((512, HQ, head_dim), jnp.bfloat16), pool_d, pool_d, table,
+        jax.ShapeDtypeStruct((batch + 1,), jnp.int32), lens)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 LAYERS = 28
 
 

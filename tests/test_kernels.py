@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (paged_decode_attention, paged_prefill_attention, write_kv,
-                            write_kv_jit)
+from kernels_pallas import (paged_decode_attention, paged_prefill_attention, plan_decode,
+                            write_kv, write_kv_jit)
 from tests.dense_reference import dense_attention, gather_tokens
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -36,17 +36,38 @@ def stacked_args(k_pages, v_pages, layer):
     return {"layer": jnp.int32(layer)}, k[layer], v[layer]
 
 
-def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0, layers=None, layer=None):
+def poison_unused(k_pages, v_pages, table, lens):
+    """NaN/Inf into every slot no row may read (free pages, the null page 0, slots past each
+    row's length); unused table slots point at the null page. Returns (k, v, table)."""
+    page_size = k_pages.shape[-2]
+    used = np.zeros((k_pages.shape[0], page_size), bool)
+    table = np.array(table)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            used[table[b, t // page_size], t % page_size] = True
+        table[b, -(-n // page_size):] = 0
+    free = ~used[:, None, :, None]
+    odd = (np.arange(page_size) % 2 == 1)[None, None, :, None]
+    k = np.where(free, np.nan, np.asarray(k_pages, np.float32))
+    v = np.where(free & odd, np.inf, np.where(free, np.nan, np.asarray(v_pages, np.float32)))
+    return jnp.asarray(k, k_pages.dtype), jnp.asarray(v, v_pages.dtype), table
+
+
+def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0, layers=None, layer=None,
+                poison=False, **kernel_args):
     rng = np.random.default_rng(seed)
     lens = [1, 2 * page_size, 2 * page_size + 3, 0]  # single token, exact pages, ragged, pad
     width = 4
     num_pages = len(lens) * width + 3
     k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(lens), width, num_pages)
+    if poison:
+        k_pages, v_pages, table = poison_unused(k_pages, v_pages, table, lens)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, head_dim)), dtype)
     layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     out = paged_decode_attention(q, k_pages, v_pages, jnp.asarray(table),
-                                 jnp.asarray(lens, jnp.int32), backend=backend, **layer_args)
+                                 jnp.asarray(lens, jnp.int32), backend=backend, **layer_args,
+                                 **kernel_args)
     qf = np.asarray(q, np.float64)
     for b, n in enumerate(lens):
         ref = dense_attention(qf[b:b + 1], gather_tokens(kf, table[b], n),
@@ -56,7 +77,7 @@ def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0, layers=Non
 
 
 def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, layers=None,
-                 layer=None, **kernel_args):
+                 layer=None, poison=False, **kernel_args):
     rng = np.random.default_rng(seed)
     q_lens = [page_size + 3, 1, 2 * page_size]  # ragged, single token, exact pages
     cached_lens = [page_size, 2 * page_size, page_size] if cached else [0, 0, 0]
@@ -65,6 +86,8 @@ def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, l
     num_pages = len(q_lens) * width + 2
     k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(q_lens), width, num_pages)
+    if poison:
+        k_pages, v_pages, table = poison_unused(k_pages, v_pages, table, kv_lens)
     layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     total = sum(q_lens)
     padded = total + 5  # padded T
@@ -172,6 +195,45 @@ def test_decode_split_k_merge_matches_single_split():
     np.testing.assert_allclose(np.asarray(one), np.asarray(many), atol=2e-5, rtol=2e-5)
 
 
+class TestDecodePlan:
+    """Split planning (Llama-3-8B heads: Hq 32, Hkv 8, D 128; page 16, table of 256 pages)."""
+    def plan(self, batch, max_kv_len, num_sms=132):
+        return plan_decode(batch, 32, 8, 128, 16, 256, max_kv_len=max_kv_len, num_sms=num_sms)
+
+    def test_full_batch_does_not_split(self):
+        for length in (512, 4096):
+            assert self.plan(64, length).num_splits == 1  # 512 programs: one wave already
+
+    def test_splits_fill_the_sms_when_the_batch_is_small(self):
+        plan = self.plan(8, 16384)
+        assert plan.programs <= 132 * 4 < plan.programs + 8 * 8  # at most one resident wave
+        assert plan.num_splits == 8
+
+    def test_no_split_of_the_longest_row_is_short_or_empty(self):
+        for batch, length in itertools.product((1, 8, 32), (100, 512, 4096, 16384)):
+            plan = self.plan(batch, length)
+            blocks = -(-length // plan.block_k)
+            assert plan.num_splits * plan.min_blocks_per_split <= max(blocks, plan.min_blocks_per_split)
+            # fp32 partial writes + reads stay within 1/16 of the split's bf16 K/V bytes
+            if plan.num_splits > 1:
+                tokens = plan.min_blocks_per_split * plan.block_k
+                assert 2 * plan.group_rows * 4 <= (2 * tokens * 2) / 16
+
+    def test_partials_hold_real_group_rows(self):
+        assert self.plan(1, 4096).group_rows == 4  # group of 4: 4 rows, not 16
+        assert plan_decode(1, 28, 4, 128, 16, 256).group_rows == 8  # group of 7
+
+    def test_more_sms_more_splits(self):
+        assert self.plan(1, 16384, num_sms=132).num_splits > self.plan(1, 16384, num_sms=16).num_splits
+
+
+@pytest.mark.parametrize("backend", ["interpret"])
+def test_decode_exact_when_lengths_exceed_max_kv_len(backend):
+    """max_kv_len only steers the split count: longer rows still attend to every key."""
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=12, max_kv_len=8, pages_per_block=1,
+                num_splits=3)
+
+
 def test_write_kv_matches_numpy_and_drops_padding():
     rng = np.random.default_rng(4)
     k_pages, v_pages = random_pool(rng, 10, 2, 4, 8, jnp.float32)
@@ -192,6 +254,24 @@ def test_write_kv_matches_numpy_and_drops_padding():
     np.testing.assert_array_equal(np.asarray(v_out), want_v)
     k_don, v_don = write_kv_jit(jnp.array(k_pages), jnp.array(v_pages), *args)
     np.testing.assert_array_equal(np.asarray(k_don), want_k)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_poisoned_free_slots_do_not_leak(backend):
+    """NaN/Inf in free pages, the null page and slots past each length leave outputs exact,
+    with one split and with several (idle splits included)."""
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True, num_splits=4,
+                pages_per_block=1)
+    prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=10, poison=True)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two(backend, head_dim):
+    """Phi-2's 80 and 96 run as power-of-two chunks (64 + 16, 64 + 32) against numpy."""
+    decode_case(backend, 16, 8, 2, head_dim, jnp.float32, seed=11)
+    prefill_case(backend, 8, 6, 2, head_dim, jnp.float32, cached=True, seed=11)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
