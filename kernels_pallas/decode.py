@@ -24,7 +24,7 @@ from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200; on a GPU the device's own count is used
 PROGRAMS_PER_SM = 4  # resident decode programs per SM at D=128 (registers; see benchmarks/)
-PARTIAL_BUDGET = 1 / 16  # max fp32 partial traffic (write + read) relative to a split's K/V
+PARTIAL_BUDGET = 1 / 8  # max fp32 partial traffic (write + read) relative to a split's K/V
 
 
 @dataclasses.dataclass(frozen=True)

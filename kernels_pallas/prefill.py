@@ -21,7 +21,13 @@ from kernels_pallas import _common as c
 from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
 
 
-PREFILL_ROWS = 128  # query rows (tokens x GQA group) per program
+# Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
+# ptxas for sm_90 (benchmarks/results/kernel_resources-*.md): D=128 at 128 rows / 8 warps
+# needs 224 registers -> 1 program per SM; 64 rows / 4 warps: 233 -> 2 per SM, no spills.
+# D=256 spills at 64 keys per block (652-952 B); 64 rows / 8 warps / 32 keys: 222, none.
+PREFILL_ROWS = 64
+PREFILL_WARPS = {128: 4, 256: 8}  # head_dim up to the key -> warps
+PREFILL_BLOCK_K = {128: 64, 256: 32}
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale: float,
@@ -108,10 +114,11 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
     group = num_q_heads // num_kv_heads
     rows = prefill_rows(num_tokens, group, block_rows)
     block_q = rows // group  # tokens per tile; rows past block_q * group are padding
+    size_class = 128 if head_dim <= 128 else 256
     if num_warps is None:
-        num_warps = 8 if rows >= 128 else 4
+        num_warps = PREFILL_WARPS[size_class]
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)
+        pages_per_block = max(1, PREFILL_BLOCK_K[size_class] // page_size)
     if not c.is_power_of_2(pages_per_block):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
     if not interpret and pages_per_block * page_size < 16:
