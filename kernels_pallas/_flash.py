@@ -7,11 +7,17 @@ from typing import Callable
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas._common import MASK_VALUE
 
 LOG2E = math.log2(math.e)
+
+
+def _dot(a, b, contract_b: int):
+    """a [M, K] x b ([N, K] if contract_b == 1 else [K, N]) -> f32 [M, N]. Plain dot_general:
+    the Pallas Triton lowering maps it to tl.dot on every jax version (0.10 and 0.11)."""
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                           preferred_element_type=jnp.float32)
 
 
 def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
@@ -68,7 +74,7 @@ def paged_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, maske
         s = None
         for (off, size), qc in zip(chunks, q):
             k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
-            part = plgpu.dot(qc, k.T).astype(jnp.float32)
+            part = _dot(qc, k, 1)
             s = part if s is None else s + part
         s = s * qk_scale  # [rows, block_k]
         if masked:
@@ -82,8 +88,7 @@ def paged_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, maske
             v = v_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
             if masked:
                 v = jnp.where(key_valid(i, block_k)[:, None], v, jnp.zeros_like(v))
-            o_new.append(alpha[:, None] * oc
-                         + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32))
+            o_new.append(alpha[:, None] * oc + _dot(p.astype(v.dtype), v, 0))
         return tuple(o_new), m_new, l_new
 
     carry = (tuple(jnp.zeros((rows, size), jnp.float32) for _, size in chunks),

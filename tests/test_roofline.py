@@ -17,7 +17,8 @@ def test_before_plan_matches_the_issue_figures():
     assert work_before(1, *LLAMA3_8B, 4096, width=256).programs == 128
 
 
-@pytest.mark.parametrize("batch,length", itertools.product((1, 8, 32, 64), (512, 4096, 16384)))
+@pytest.mark.parametrize("batch,length",
+                         list(itertools.product((1, 8, 32, 64), (512, 4096, 16384))))
 def test_after_plan_has_no_empty_programs_and_bounded_partials(batch, length):
     w = work_after(batch, *LLAMA3_8B, length, width=max(256, length // 16))
     assert w.active_programs == w.programs
