@@ -260,7 +260,8 @@ def test_write_kv_matches_numpy_and_drops_padding():
 def test_poisoned_free_slots_do_not_leak(backend):
     """NaN/Inf in free pages, the null page and slots past each length leave outputs exact,
     with one split and with several (idle splits included)."""
-    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
+    if backend == "xla":
+        decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
     decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True, num_splits=4,
                 pages_per_block=1)
     prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=10, poison=True)
@@ -269,9 +270,12 @@ def test_poisoned_free_slots_do_not_leak(backend):
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_head_dims_not_a_power_of_two(backend, head_dim):
-    """Phi-2's 80 and 96 run as power-of-two chunks (64 + 16, 64 + 32) against numpy."""
-    decode_case(backend, 16, 8, 2, head_dim, jnp.float32, seed=11)
-    prefill_case(backend, 8, 6, 2, head_dim, jnp.float32, cached=True, seed=11)
+    """Phi-2's 80 and 96 run as power-of-two chunks (64 + 16, 64 + 32) against numpy.
+    Interpret mode (slow) runs decode at 80 and prefill at 96: each kernel sees 2 chunks."""
+    if backend == "xla" or head_dim == 80:
+        decode_case(backend, 16, 8, 2, head_dim, jnp.float32, seed=11)
+    if backend == "xla" or head_dim == 96:
+        prefill_case(backend, 8, 6, 2, head_dim, jnp.float32, cached=True, seed=11)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -285,7 +289,7 @@ def test_stacked_pool_reads_only_its_layer(backend):
 def test_stacked_pool_traced_layer_in_scan(backend):
     """A layer index traced inside lax.scan (the model's layer loop) picks each layer's pages."""
     rng = np.random.default_rng(8)
-    layers, num_pages = 3, 12
+    layers, num_pages = 2, 12
     k_pages, v_pages = random_pool(rng, num_pages, 2, 8, 64, jnp.float32, layers)
     table = jnp.asarray(random_page_table(rng, 2, 3, num_pages))
     lens = jnp.asarray([5, 20], jnp.int32)
