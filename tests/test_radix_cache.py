@@ -203,3 +203,38 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                           deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_acquire_cache_full_counts_no_lookup_and_keeps_lru_stamps():
+    cache = RadixCache(6, PS)  # 5 usable pages
+    _, held = run_request(cache, 0, list(range(8)))  # 2 cached pages, then released
+    cache.release(held)
+    stamps = {p: n.last_access for p, n in cache._nodes[0].items()}
+    before = cache.stats()
+    # the matched path (2 pages) is pinned, so 3 free pages cannot give 4
+    with pytest.raises(CacheFullError, match="need 4 KV pages but only 3"):
+        cache.acquire(0, [list(range(8))], 4)
+    assert cache.stats() == before
+    assert {p: n.last_access for p, n in cache._nodes[0].items()} == stamps
+    matches, fresh = cache.acquire(0, [list(range(8)), [50] * 4], 3)
+    assert [m.num_tokens for m in matches] == [8, 0] and fresh.size == 3
+    assert cache.stats().lookups == before.lookups + 2
+    cache.release(np.concatenate([matches[0].pages, fresh]))
+    cache.check_invariants()
+
+
+def test_insert_checks_every_page_before_linking_any():
+    cache = RadixCache(16, PS)
+    _, held = run_request(cache, 0, list(range(8)))
+    mine = cache.alloc(2)
+    before = (cache.pool.refcount.copy(), cache.stats())
+    with pytest.raises(ValueError, match="already cached under another prefix or listed twice"):
+        cache.insert(0, [9] * 8, np.array([mine[0], held[1]]))  # 2nd page cached elsewhere
+    with pytest.raises(ValueError, match="listed twice"):
+        cache.insert(0, [9] * 8, np.array([mine[0], mine[0]]))
+    free = np.flatnonzero(cache.pool.refcount[1:] == 0)[:1] + 1
+    with pytest.raises(ValueError, match="does not hold"):
+        cache.insert(0, [9] * 4, free)
+    np.testing.assert_array_equal(cache.pool.refcount, before[0])
+    assert cache.stats() == before[1] and cache.match(0, [9] * 4).num_tokens == 0
+    cache.check_invariants()

@@ -1,17 +1,33 @@
 """Reference-counted physical KV pages with vectorised bulk alloc/free.
 
 Pages are 1..num_pages-1; page 0 is the null page that pads page tables and is never handed
-out. A page is free iff its reference count is 0.
+out. A page is free iff its reference count is 0. Every method checks its arguments before it
+changes anything and applies the change inside `deferred_signals()`, so a call either
+completes or leaves the pool as it was, KeyboardInterrupt included.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from jaxrl_cache.checks import as_count
+from jaxrl_cache.errors import CacheFullError
+from jaxrl_cache.interrupts import deferred_signals
+
+
+def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
+    """pages (any 1-D integer sequence) -> int32 [n], each in 1..num_pages-1."""
+    arr = np.asarray(pages if not isinstance(pages, (str, bytes)) else None)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must be a 1-D sequence of integer page ids, got "
+                        f"{type(pages).__name__} {pages!r:.80}")
+    if arr.size and ((arr <= 0).any() or (arr >= num_pages).any()):
+        raise ValueError(f"{name}: page ids must be in 1..{num_pages - 1}, got {arr}")
+    return arr.astype(np.int32)
+
 
 class PagePool:
     def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        num_pages = as_count(num_pages, "num_pages", minimum=2, maximum=2**31 - 1)  # int32 ids
         self.num_pages = num_pages
         self.refcount = np.zeros(num_pages, np.int32)  # [P]
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)  # stack, top at the end
@@ -22,33 +38,48 @@ class PagePool:
         return self._num_free
 
     def take(self, n: int) -> np.ndarray:
-        """Hands out n free pages with refcount 1. The caller checks num_free first."""
+        """Hands out n free pages with refcount 1."""
+        n = as_count(n, "n")
         if n > self._num_free:
-            raise AssertionError(f"take({n}) with only {self._num_free} free pages")
-        pages = self._free[self._num_free - n:self._num_free][::-1].copy()
-        self._num_free -= n
-        self.refcount[pages] = 1
+            raise CacheFullError(f"take({n}) with only {self._num_free} free pages")
+        with deferred_signals():
+            pages = self._free[self._num_free - n:self._num_free][::-1].copy()
+            self.refcount[pages] = 1
+            self._num_free -= n
         return pages
 
     def incref(self, pages: np.ndarray) -> None:
-        np.add.at(self.refcount, pages, 1)
+        """Adds one reference per entry; every page must already be held (refcount >= 1)."""
+        pages = as_page_ids(pages, self.num_pages)
+        if (self.refcount[pages] < 1).any():
+            raise ValueError(f"incref of free pages: {pages[self.refcount[pages] < 1]}")
+        with deferred_signals():
+            np.add.at(self.refcount, pages, 1)
 
     def decref(self, pages: np.ndarray, *, distinct: bool = False) -> None:
         """Drops one reference per entry; pages reaching 0 become free. Repeats are allowed
         unless the caller promises `distinct` (a faster path)."""
-        pages = np.asarray(pages, np.int32)
+        pages = as_page_ids(pages, self.num_pages)
         if pages.size == 0:
             return
-        if (pages <= 0).any() or (pages >= self.num_pages).any():
-            raise ValueError(f"page ids must be in 1..{self.num_pages - 1}, got {pages}")
         counts = np.bincount(pages, minlength=self.num_pages) if not distinct else None
         if (self.refcount[pages] < (1 if distinct else counts[pages])).any():
             raise ValueError(f"released pages that were not held: {pages}")
-        if distinct:
-            self.refcount[pages] -= 1
-            freed = pages[self.refcount[pages] == 0]
-        else:
-            self.refcount -= counts.astype(np.int32)
-            freed = np.unique(pages[self.refcount[pages] == 0])
-        self._free[self._num_free:self._num_free + freed.size] = freed
-        self._num_free += freed.size
+        with deferred_signals():
+            if distinct:
+                self.refcount[pages] -= 1
+                freed = pages[self.refcount[pages] == 0]
+            else:
+                self.refcount -= counts.astype(np.int32)
+                freed = np.unique(pages[self.refcount[pages] == 0])
+            self._free[self._num_free:self._num_free + freed.size] = freed
+            self._num_free += freed.size
+
+    def reset(self, held: np.ndarray) -> None:
+        """Sets refcount 1 on held pages (bool [P]) and frees every other page (one commit)."""
+        refcount = held.astype(np.int32)
+        refcount[0] = 0
+        free = np.zeros_like(self._free)
+        idle = np.flatnonzero(refcount[1:] == 0)[::-1].astype(np.int32) + 1
+        free[:idle.size] = idle
+        self.refcount, self._free, self._num_free = refcount, free, int(idle.size)

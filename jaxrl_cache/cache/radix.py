@@ -9,6 +9,13 @@ each page it uses. A trie page with refcount 1 is "cached" (evictable); a page w
 is free; every other page is "in use". Always: free + cached + in use == num_pages - 1.
 A request pins the whole path it matched and inserts only below pages it holds, so a pinned
 node's ancestors are pinned too and every cached page can be evicted leaf-first.
+
+Interrupt safety: every method checks all of its arguments and plans its change first (any
+error is raised with nothing changed), then applies it inside `deferred_signals()`, so a
+KeyboardInterrupt or SIGTERM handler never sees half an update. A call that hands references
+to the caller (`match`, `acquire`, `alloc`) records them in the caller's `Lease` inside that
+same step, so no interrupt can fall between taking a reference and recording who holds it;
+`release(lease)` gives them all back at once.
 """
 from __future__ import annotations
 
@@ -19,18 +26,21 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl_cache.cache.page_pool import PagePool, as_page_ids
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
-from jaxrl_cache.cache.page_pool import PagePool
+from jaxrl_cache.interrupts import deferred_signals
+from jaxrl_cache.versioning import as_version
 
 
 class _Node:
     __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
 
     def __init__(self, chunk, page, parent, version):
-        self.chunk = chunk  # tuple of page_size token ids (None at a root)
+        self.chunk = chunk  # page key: int32 bytes of its page_size tokens (None at a root)
         self.page = page  # physical page id (0 at a root)
         self.parent = parent
-        self.children: dict[tuple, _Node] = {}
+        self.children: dict[bytes, _Node] = {}
         self.last_access = 0
         self.version = version
 
@@ -39,6 +49,24 @@ class _Node:
 class Match:
     pages: np.ndarray  # int32 [n] pinned pages of the matched prefix, in order
     num_tokens: int  # n * page_size
+
+
+class Lease:
+    """The page references one caller holds. Cache calls given a lease add what they hand out
+    to it in the same atomic step; `RadixCache.release(lease)` returns them all and empties it
+    (releasing an empty lease does nothing, so a retried cleanup is harmless)."""
+    __slots__ = ("_parts",)
+
+    def __init__(self):
+        self._parts: tuple = ()  # int32 arrays; the tuple is replaced, never mutated
+
+    @property
+    def pages(self) -> np.ndarray:
+        """int32 [n] every reference held (a page appears once per reference)."""
+        return np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
+
+    def __len__(self) -> int:
+        return sum(p.size for p in self._parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +91,13 @@ class CacheStats:
 
 class RadixCache:
     """Page allocator plus version-keyed prefix trie. Host-side bookkeeping, not thread-safe:
-    the engine serialises every call under its lock."""
+    the engine serialises every call under its lock. Versions are bounded like every policy
+    version (`as_version`: int32 range)."""
 
     def __init__(self, num_pages: int, page_size: int):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
+        self.page_size = as_count(page_size, "page_size", minimum=1)
         self.pool = PagePool(num_pages)
-        self._in_trie = np.zeros(num_pages, bool)  # [P]
+        self._in_trie = np.zeros(self.pool.num_pages, bool)  # [P]
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
         self._clock = itertools.count(1)
@@ -79,30 +106,86 @@ class RadixCache:
 
     # ---------------------------------------------------------------- allocation
     @property
+    def available_pages(self) -> int:
+        """Pages `alloc` can hand out now: free + evictable cached."""
+        return self.pool.num_free + self.num_evictable
+
+    def peek(self, version: int, tokens: Sequence[int]) -> int:
+        """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
+        (no pin, no lookup counted, no LRU stamp)."""
+        return len(self._walk(as_version(version), self.page_keys(tokens)))
+
+    @property
     def num_evictable(self) -> int:
         return int((self._in_trie & (self.pool.refcount == 1)).sum())
 
-    def alloc(self, n: int) -> np.ndarray:
+    def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
         leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
-        available = self.pool.num_free + self.num_evictable
-        if n > available:
-            raise CacheFullError(
-                f"need {n} KV pages but only {available} can be made available "
-                f"({self.pool.num_free} free + {self.num_evictable} evictable cached; "
-                f"{self.pool.num_pages - 1} total). Use a larger pool or a smaller batch.")
-        if n > self.pool.num_free:
-            self.evict(n - self.pool.num_free)
-        return self.pool.take(n)
+        return self.acquire(0, [], n, lease=lease)[1]
 
-    def release(self, pages: np.ndarray) -> None:
-        """Drops the caller's reference to each page (from alloc or match)."""
-        self.pool.decref(np.asarray(pages, np.int32))
+    def acquire(self, version: int, prefixes: Sequence[Sequence[int]], n_fresh: int, *,
+                lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
+        """`match` of each prefix plus `alloc(n_fresh)` as one step: returns (matches, fresh
+        pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
+        raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
+        version = as_version(version)
+        if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence):
+            raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
+                            f"{type(prefixes).__name__}")
+        chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
+        n_fresh = as_count(n_fresh, "n_fresh")
+        paths = [self._walk(version, chunks) for chunks in chunked]
+        newly_pinned = {node.page for path in paths for node in path
+                        if self.pool.refcount[node.page] == 1}
+        available = self.pool.num_free + self.num_evictable - len(newly_pinned)
+        if n_fresh > available:
+            raise CacheFullError(
+                f"need {n_fresh} KV pages but only {available} can be made available "
+                f"({self.pool.num_free} free + {self.num_evictable - len(newly_pinned)} "
+                f"evictable cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
+                f"smaller batch.")
+        matched = [np.fromiter((node.page for node in path), np.int32, len(path))
+                   for path in paths]
+        with deferred_signals():
+            now = next(self._clock)
+            for path in paths:
+                for node in path:
+                    node.last_access = now
+            if matched:
+                self.pool.incref(np.concatenate(matched))
+            if n_fresh > self.pool.num_free:
+                self._evict(n_fresh - self.pool.num_free)
+            fresh = self.pool.take(n_fresh)
+            self._counters["lookups"] += len(prefixes)
+            self._counters["lookup_tokens"] += sum(len(p) for p in prefixes)
+            self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
+            if lease is not None:
+                lease._parts = lease._parts + tuple(matched) + (fresh,)
+        return [Match(m, int(m.size) * self.page_size) for m in matched], fresh
+
+    def release(self, pages: np.ndarray | Lease) -> None:
+        """Drops the caller's reference to each page (from alloc or match), or every
+        reference a lease holds (then empties it)."""
+        if isinstance(pages, Lease):
+            lease, pages = pages, pages.pages
+        else:
+            lease, pages = None, as_page_ids(pages, self.pool.num_pages)
+        counts = np.bincount(pages, minlength=self.pool.num_pages)
+        if (self.pool.refcount[pages] < counts[pages]).any():
+            raise ValueError(f"released pages that were not held: {pages}")
+        with deferred_signals():
+            self.pool.decref(pages)
+            if lease is not None:
+                lease._parts = ()
 
     def evict(self, n: int) -> int:
         """Frees up to n unpinned cached pages, least recently used leaves first."""
+        n = as_count(n, "n")
+        with deferred_signals():
+            return self._evict(n)
+
+    def _evict(self, n: int) -> int:
         leaves = [(node.last_access, id(node), node) for nodes in self._nodes.values()
                   for node in nodes.values()
                   if not node.children and self.pool.refcount[node.page] == 1]
@@ -110,7 +193,8 @@ class RadixCache:
         evicted = []
         while leaves and len(evicted) < n:
             _, _, node = heapq.heappop(leaves)
-            self._detach(node)
+            del node.parent.children[node.chunk]
+            del self._nodes[node.version][node.page]
             evicted.append(node.page)
             parent = node.parent
             if (parent.chunk is not None and not parent.children
@@ -122,71 +206,90 @@ class RadixCache:
         self._counters["evicted_pages"] += len(evicted)
         return len(evicted)
 
-    def _detach(self, node: _Node) -> None:
-        del node.parent.children[node.chunk]
-        del self._nodes[node.version][node.page]
-
     # ---------------------------------------------------------------- prefix trie
-    def _chunks(self, tokens: Sequence[int]):
-        tokens = tuple(int(t) for t in tokens)
-        ps = self.page_size
-        return [tokens[i:i + ps] for i in range(0, len(tokens) - ps + 1, ps)]
+    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> list[bytes]:
+        """Hashable key of each full page of `tokens`: its int32 bytes, built in one numpy
+        pass (no per-token Python work). Token ids must be integers in [0, 2**31)."""
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+            raise TypeError(f"{name} must be a sequence of integer token ids, got "
+                            f"{type(tokens).__name__} {tokens!r:.80}")
+        arr = np.asarray(tokens)
+        if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"{name} must be a 1-D sequence of integer token ids, got "
+                            f"{tokens!r:.80}")
+        if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+            raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
+        data = arr.astype(np.int32).tobytes()
+        step = 4 * self.page_size
+        return [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
 
-    def match(self, version: int, tokens: Sequence[int]) -> Match:
+    def _walk(self, version: int, chunks: list[bytes]) -> list[_Node]:
+        """The nodes of the longest cached prefix of `chunks` under `version` (no change)."""
+        node, path = self._roots.get(version), []
+        for chunk in chunks if node is not None else ():
+            node = node.children.get(chunk)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def match(self, version: int, tokens: Sequence[int], *,
+              lease: Lease | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
-        caller (release the returned pages when done)."""
-        node = self._roots.get(version)
-        pages = []
-        now = next(self._clock)
-        if node is not None:
-            for chunk in self._chunks(tokens):
-                node = node.children.get(chunk)
-                if node is None:
-                    break
-                node.last_access = now
-                pages.append(node.page)
-        pages = np.asarray(pages, np.int32)
-        self.pool.incref(pages)
-        self._counters["lookups"] += 1
-        self._counters["lookup_tokens"] += len(tokens)
-        self._counters["hit_tokens"] += pages.size * self.page_size
-        return Match(pages, int(pages.size) * self.page_size)
+        caller (release the returned pages, or the lease, when done)."""
+        return self.acquire(version, [tokens], 0, lease=lease)[0][0]
 
     def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
         """Records the full pages of `tokens` (KV written by `version`) held by the caller.
 
-        pages [len(tokens) // page_size] in order. Chunks already cached are left as they
-        are (a duplicate page stays the caller's and is freed on release); insertion stops
-        at the first chunk cached under a different page, since what follows was computed
-        against the caller's copy. Returns how many pages the trie took.
+        pages [>= len(tokens) // page_size] in order. Chunks already cached are left as they
+        are (a duplicate page stays the caller's and is freed on release) and insertion
+        continues below them: a duplicate holds the same tokens' KV under the same version,
+        so what follows is the same whichever copy it was computed against. Returns how many
+        pages the trie took.
         """
-        chunks = self._chunks(tokens)
-        pages = np.asarray(pages, np.int32)
+        version = as_version(version)
+        chunks = self.page_keys(tokens)
+        pages = as_page_ids(pages, self.pool.num_pages)
         if pages.shape[0] < len(chunks):
             raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
-        if version not in self._roots:
-            self._roots[version] = _Node(None, 0, None, version)
-            self._nodes[version] = {}
-        node = self._roots[version]
-        now = next(self._clock)
-        taken = []
-        for chunk, page in zip(chunks, pages.tolist()):
-            child = node.children.get(chunk)
+        pages = pages[:len(chunks)]
+        if (self.pool.refcount[pages] < 1).any():
+            raise ValueError(f"insert of pages the caller does not hold: "
+                             f"{pages[self.pool.refcount[pages] < 1]}")
+        # plan: (parent, chunk, page) of each new node, parents possibly planned themselves
+        node = self._roots.get(version)
+        existing, planned = [], []
+        for i, (chunk, page) in enumerate(zip(chunks, pages.tolist())):
+            child = node.children.get(chunk) if node is not None else None
             if child is None:
-                if self._in_trie[page]:
-                    raise ValueError(f"page {page} is already cached under another prefix")
-                child = _Node(chunk, page, node, version)
-                node.children[chunk] = child
-                self._nodes[version][page] = child
-                self._in_trie[page] = True
-                taken.append(page)
-            elif child.page != page:
+                planned = list(zip(range(i, len(chunks)), chunks[i:], pages[i:].tolist()))
                 break
-            child.last_access = now
+            existing.append(child)
             node = child
-        self.pool.incref(np.asarray(taken, np.int32))
-        self._counters["inserted_pages"] += len(taken)
-        return len(taken)
+        new_pages = [p for _, _, p in planned]
+        if self._in_trie[new_pages].any() or len(set(new_pages)) < len(new_pages):
+            raise ValueError(f"pages {new_pages} include one already cached under another "
+                             f"prefix or listed twice")
+        with deferred_signals():
+            if version not in self._roots:
+                self._roots[version] = _Node(None, 0, None, version)
+                self._nodes[version] = {}
+            parent = existing[-1] if existing else self._roots[version]
+            now = next(self._clock)
+            for node in existing:
+                node.last_access = now
+            for _, chunk, page in planned:
+                child = _Node(chunk, page, parent, version)
+                child.last_access = now
+                parent.children[chunk] = child
+                self._nodes[version][page] = child
+                parent = child
+            taken = np.asarray(new_pages, np.int32)
+            self._in_trie[taken] = True
+            self.pool.incref(taken)
+            self._counters["inserted_pages"] += taken.size
+        return int(taken.size)
 
     def invalidate_before(self, version: int) -> int:
         """Drops every entry of versions < `version` and frees their pages; returns how many.
@@ -194,26 +297,41 @@ class RadixCache:
         If a live request still holds any of those pages, raises PinnedPagesError and
         changes nothing: stale KV must never stay reachable behind a reported success.
         """
-        stale = [v for v in self._roots if v < version]
+        version = as_version(version)
+        return self._drop([v for v in self._roots if v < version], f"before {version}")
+
+    def clear(self) -> int:
+        """Drops every version's entries (used after the KV pool itself was lost)."""
+        return self._drop(list(self._roots), "(clear)")
+
+    def _drop(self, stale: list[int], what: str) -> int:
         if not stale:
             return 0
         pages = np.fromiter((p for v in stale for p in self._nodes[v]), np.int32)
         pinned = pages[self.pool.refcount[pages] > 1]
         if pinned.size:
             raise PinnedPagesError(
-                f"cannot invalidate versions {sorted(stale)} before {version}: "
+                f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
-        for v in stale:
-            del self._roots[v], self._nodes[v]
-        self._in_trie[pages] = False
-        self.pool.decref(pages, distinct=True)
-        self._counters["invalidated_pages"] += int(pages.size)
-        self._counters["invalidations"] += 1
+        with deferred_signals():
+            for v in stale:
+                del self._roots[v], self._nodes[v]
+            self._in_trie[pages] = False
+            self.pool.decref(pages, distinct=True)
+            self._counters["invalidated_pages"] += int(pages.size)
+            self._counters["invalidations"] += 1
         return int(pages.size)
 
-    def clear(self) -> int:
-        """Drops every version's entries (used after the KV pool itself was lost)."""
-        return self.invalidate_before(max(self._roots, default=-1) + 1)
+    def reconcile(self, keep_version: int) -> None:
+        """For a quiescent cache (no request holds a page): drops every namespace but
+        `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, every
+        other page free). Repairs whatever an interrupted caller left behind."""
+        with deferred_signals():
+            for v in [v for v in self._roots if v != keep_version]:
+                for page in self._nodes[v]:
+                    self._in_trie[page] = False
+                del self._roots[v], self._nodes[v]
+            self.pool.reset(self._in_trie)
 
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_cache.checks import as_real
 from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.train import pack_samples, teacher_forced_log_probs
@@ -33,7 +35,16 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
     Each sample's outputs are scored with params_by_version[sample.behavior_version] and the
     same sampling distribution; the sample is flagged if any token's logprob differs from the
     recorded one by more than `tolerance` (or its version's params are missing).
+    tolerance must be finite and >= 0 (a NaN tolerance would pass every sample).
     """
+    if not isinstance(batch, RolloutBatch):
+        raise TypeError(f"batch must be a RolloutBatch, got {type(batch).__name__}")
+    if not isinstance(params_by_version, Mapping):
+        raise TypeError(f"params_by_version must be a mapping version -> params, got "
+                        f"{type(params_by_version).__name__}")
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    tolerance = as_real(tolerance, "tolerance", minimum=0.0)
     sp = batch.sampling
     knobs = sp.as_arrays()
     flagged, missing, worst, n_tokens = [], set(), 0.0, 0

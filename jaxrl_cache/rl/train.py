@@ -6,10 +6,14 @@ update (optax's convention), so lr(update k) = schedule(k) for k = 0, 1, 2, ...
 The optimizer `tx` is the learning-rate-free direction (e.g. `make_optimizer()`: clip, Adam,
 weight decay); the step scales its output by -schedule(version). Every `count` inside the
 optimizer state equals the version at all times; checkpoints verify it.
+
+Numbers: versions stay in the int32 range (`versioning.MAX_VERSION`); a step that would pass
+it is refused. Non-finite rewards, behavior logprobs, clip parameters or learning rates are
+refused before any work, and a step whose loss or gradient norm is not finite raises instead
+of returning NaN params: `train_step` is functional, so the caller's state stays as it was.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import flax.struct
@@ -19,12 +23,13 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
+from jaxrl_cache.checks import as_count, as_real
 from jaxrl_cache.rollout.types import RolloutBatch
-from jaxrl_cache.errors import StalenessError
+from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig, forward
 from jaxrl_cache.rollout.sampling import behavior_log_probs
 from jaxrl_cache.shapes import bucket
-from jaxrl_cache.versioning import as_version
+from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 
 def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
@@ -55,7 +60,8 @@ class TrainState:
         """A fresh optimizer state at `version` (its counts set to that version)."""
         version = as_version(version)
         tx = tx or make_optimizer()
-        schedule = lr_schedule if callable(lr_schedule) else optax.constant_schedule(lr_schedule)
+        schedule = lr_schedule if callable(lr_schedule) else optax.constant_schedule(
+            as_real(lr_schedule, "lr_schedule"))
         opt_state = tx.init(params)
         if otu.tree_get_all_with_path(opt_state, "count"):
             opt_state = otu.tree_set(opt_state, count=jnp.asarray(version, jnp.int32))
@@ -117,18 +123,40 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     must share sampling parameters. length: padded sequence length (default: the longest
     sample rounded up to a bucket, so repeated steps reuse one compilation).
     """
-    batches = [rollouts] if isinstance(rollouts, RolloutBatch) else list(rollouts)
+    if isinstance(rollouts, RolloutBatch):
+        batches = [rollouts]
+    elif isinstance(rollouts, (list, tuple)) and all(isinstance(b, RolloutBatch)
+                                                     for b in rollouts):
+        batches = list(rollouts)
+    else:
+        raise TypeError(f"rollouts must be a RolloutBatch or a list of them, got "
+                        f"{type(rollouts).__name__}")
     if not batches:
         raise ValueError("make_batch needs at least one rollout batch")
+    empty = [k for k, b in enumerate(batches) if not b.samples]
+    if empty:
+        raise ValueError(f"rollouts: batch {empty[0]} has no samples")
+    if length is not None:
+        length = as_count(length, "length", minimum=2)
     sp = batches[0].sampling
     if any(b.sampling != sp for b in batches):
         raise ValueError("all rollout batches of a training batch must share SamplingParams")
     samples = [s for b in batches for s in b.samples]
     groups = np.array([(k << 32) + s.group for k, b in enumerate(batches) for s in b.samples])
-    rewards = np.asarray(rewards, np.float32)
+    try:
+        rewards = np.asarray(rewards, np.float32)
+    except (TypeError, ValueError):
+        raise TypeError(f"rewards must be numbers [N={len(samples)}], got "
+                        f"{type(rewards).__name__} {rewards!r:.80}") from None
     if rewards.shape != (len(samples),):
         raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
+    if not np.isfinite(rewards).all():
+        bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
+        raise ValueError(f"rewards must be finite, got rewards[{bad}] = {rewards[bad]}")
     tokens, mask, behavior = pack_samples(samples, length)
+    if not np.isfinite(behavior).all():
+        bad = int(np.flatnonzero(~np.isfinite(behavior).all(axis=1))[0])
+        raise ValueError(f"sample {bad} has non-finite behavior logprobs")
     return TrainBatch(
         tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
         behavior_logprobs=jnp.asarray(behavior),
@@ -171,8 +199,9 @@ def pg_loss(params, config, batch: TrainBatch, clip_eps: float, dual_clip: float
     return loss, aux
 
 
-@functools.partial(jax.jit, static_argnames=("clip_eps", "dual_clip"))
-def _train_core(state: TrainState, batch: TrainBatch, clip_eps: float, dual_clip):
+@jax.jit
+def _train_core(state: TrainState, batch: TrainBatch, clip_eps, dual_clip):
+    """clip_eps f32 []; dual_clip f32 [] or None (traced: new values never recompile)."""
     (loss, aux), grads = jax.value_and_grad(pg_loss, has_aux=True)(
         state.params, state.config, batch, clip_eps, dual_clip)
     lr = state.lr_schedule(state.version)
@@ -191,10 +220,30 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
                clip_eps: float = 0.2, dual_clip: float | None = None):
     """One optimizer update. Returns (state with version + 1, metrics).
 
-    Raises StalenessError before any work if a sample's behavior version lags the state's
-    version by more than max_policy_lag (None = no limit), or is newer than the state.
+    Raises before any work: TypeError/ValueError for a malformed argument, a non-finite clip
+    parameter (clip_eps > 0; dual_clip > 1 or None) or learning rate at this version;
+    VersionError if the version would pass the int32 range; StalenessError if a sample's
+    behavior version lags the state's version by more than max_policy_lag (None = no limit),
+    or is newer than the state. Raises ValueError (returning nothing) if the loss or gradient
+    norm came out non-finite; the metrics are read on the host for that check.
     """
-    version = int(state.version)
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"batch must be a TrainBatch (see make_batch), got "
+                        f"{type(batch).__name__}")
+    if max_policy_lag is not None:
+        max_policy_lag = as_count(max_policy_lag, "max_policy_lag")
+    clip_eps = as_real(clip_eps, "clip_eps", minimum=0.0, open_min=True)
+    if dual_clip is not None:
+        dual_clip = as_real(dual_clip, "dual_clip", minimum=1.0, open_min=True)
+    version = as_version(state.version, "state.version")
+    if version == MAX_VERSION:
+        raise VersionError(f"state.version {version} is the largest int32 version; another "
+                           f"update would overflow")
+    lr = float(state.lr_schedule(version))
+    if not np.isfinite(lr):
+        raise ValueError(f"lr_schedule({version}) = {lr} is not finite")
     behavior = np.asarray(batch.behavior_version)
     oldest, newest = int(behavior.min()), int(behavior.max())
     if max_policy_lag is not None and version - oldest > max_policy_lag:
@@ -204,4 +253,11 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
     if newest > version:
         raise StalenessError(f"batch has samples from version {newest}, newer than the "
                              f"trainer ({version})")
-    return _train_core(state, batch, clip_eps, dual_clip)
+    new_state, metrics = _train_core(
+        state, batch, jnp.float32(clip_eps), None if dual_clip is None else jnp.float32(dual_clip))
+    loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"],
+                                                         metrics["grad_norm"])))
+    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        raise ValueError(f"train step at version {version} produced loss {loss}, gradient "
+                         f"norm {grad_norm}; refusing to return non-finite params")
+    return new_state, metrics

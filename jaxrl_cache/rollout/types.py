@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.rollout.sampling import SamplingParams
 
 
@@ -13,6 +14,33 @@ class CacheConfig:
     num_pages: int = 512  # physical KV pages, page 0 included (the null page)
     page_size: int = 16
     prefix_cache: bool = True  # False: no radix reuse and no group sharing (a baseline)
+
+    def __post_init__(self):
+        """Types and ranges only (numpy ints accepted); the engine checks the pool's bytes
+        against the model and the device when it builds the pool."""
+        object.__setattr__(self, "num_pages", as_count(self.num_pages, "num_pages", minimum=2,
+                                                       maximum=2**31 - 1))  # int32 page ids
+        object.__setattr__(self, "page_size", as_count(self.page_size, "page_size", minimum=1,
+                                                       maximum=2**16))
+        if not isinstance(self.prefix_cache, (bool, np.bool_)):
+            raise TypeError(f"prefix_cache must be a bool, got "
+                            f"{type(self.prefix_cache).__name__} {self.prefix_cache!r:.80}")
+        object.__setattr__(self, "prefix_cache", bool(self.prefix_cache))
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching knobs (shapes: each value is one compiled size, never a recompile
+    per call)."""
+    max_num_seqs: int = 64  # decode slots: rows generated concurrently
+    chunk_steps: int = 16  # decode steps per on-device chunk between host scheduling
+    max_prefill_tokens: int = 2048  # new prompt tokens admitted per prefill launch (soft)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "chunk_steps", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +72,9 @@ class RolloutBatch:
     prefill_tokens: int  # prompt tokens whose KV was computed
     reused_tokens: int  # prompt tokens not recomputed (radix hits + group sharing)
     cached_tokens: int  # prompt tokens served by the radix cache
-    decode_steps: int
+    decode_steps: int  # on-device decode steps over all chunks
+    decode_chunks: int
+    prefill_launches: int
     seconds: float
     sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
 
