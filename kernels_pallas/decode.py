@@ -1,10 +1,12 @@
 """Paged decode attention: one new query token per sequence over a paged KV pool.
 
 Flash-decoding on GPU: each program owns one (sequence, kv head, split) and the whole GQA
-group of query heads (padded to the 16 rows `tl.dot` needs). The sequence's page list is cut
-into `num_splits` contiguous chunks handled by separate programs; each walks only the pages
-below its row's `seq_len`, keeps an online softmax in fp32 and writes (o, l, m). The chunks
-are merged afterwards with the log-sum-exp rule. Rows with `seq_len == 0` return zeros.
+group of query heads (padded to the 16 rows `tl.dot` needs). `plan_decode` picks the split
+count on the host from batch, SM count and the longest length; each row divides its own valid
+blocks evenly among its splits (short rows use fewer, the rest idle), keeps an online softmax
+in fp32 (exp2, scale folded) and, when unsplit, writes the normalised output directly;
+otherwise (o, lse) partials of the group's rows, merged by one log-sum-exp in XLA.
+Rows with `seq_len == 0` return zeros.
 """
 from __future__ import annotations
 
