@@ -38,8 +38,9 @@ def test_prefill_lowers_to_triton_kernel(pages, tokens, width):
     assert "paged_prefill_attention" in text
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("batch", [1, 64])  # split (merged in XLA) and unsplit (one launch)
+# batch 1: split decode (partials + XLA merge); batch 64: unsplit (one launch, direct output)
+@pytest.mark.parametrize("head_dim,batch", [(64, 1), (80, 1), (96, 64), (128, 1), (128, 64),
+                                            (256, 64)])
 def test_every_head_size_lowers(head_dim, batch):
     q = jax.ShapeDtypeStruct((batch, HQ, head_dim), jnp.bfloat16)
     pool_d = jax.ShapeDtypeStruct((PAGES, HKV, PAGE, head_dim), jnp.bfloat16)
