@@ -183,7 +183,7 @@ class RolloutEngine:
         finally:
             for pages in held:
                 self.cache.release(pages)
-            if any(k.is_deleted() for kv in self._kv for k in kv):
+            if any(pool.is_deleted() for pool in jax.tree.leaves(self._kv)):
                 # A failure after the pool was donated: its KV is gone, so is every entry.
                 self.cache.clear()
                 self._kv = jax.device_put(init_kv_cache(
