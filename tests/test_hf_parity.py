@@ -39,7 +39,7 @@ def test_engine_greedy_and_sampling_logprobs_match_transformers(name):
     lengths = (5, 9, 12)  # + 12 new tokens fits mistral's 24 (its sliding window)
     prompts = [want["greedy_prompt"].tolist()] + [want["tokens"][:n].tolist() for n in lengths]
     new = len(want["greedy_tokens"])
-    settings = {"greedy": (0.0, 0, 1.0), **{k: v for k, v in SAMPLING.items() if k in ENGINE}}
+    settings = {"greedy": (0.0, 0, 1.0), **SAMPLING}
     for key, (temperature, top_k, top_p) in settings.items():
         sampling = SamplingParams(n=4, max_new_tokens=new, temperature=temperature,
                                   top_k=top_k, top_p=top_p)
@@ -56,22 +56,18 @@ def test_engine_greedy_and_sampling_logprobs_match_transformers(name):
                                            err_msg=f"sampling {key}")
 
 
-ENGINE = ("t07", "k12", "p085")  # k20_p07 waits for the top-k-then-top-p convention
-
-
-@pytest.mark.xfail(strict=True, reason="sampling applies top-p over the full distribution; "
-                   "the rollout v2 convention (transformers' order) applies it over the "
-                   "renormalised top-k set. Remove this mark and add k20_p07 to ENGINE then.")
 def test_top_k_then_top_p_matches_transformers_warpers():
+    """The behavior distribution itself, at every position of the fixture sequence."""
     config, params = from_pretrained(FIXTURES / "qwen3", dtype="float32")
     want = expected("qwen3")
     logits = forward(params, config, jnp.asarray(want["tokens"])[None])[0]
-    temperature, top_k, top_p = SAMPLING["k20_p07"]
-    got = np.asarray(behavior_log_probs(logits, jnp.float32(temperature), jnp.float32(top_p),
-                                        jnp.int32(top_k)))
-    finite = np.isfinite(want["sample_k20_p07"])
-    np.testing.assert_array_equal(np.isfinite(got), finite)
-    np.testing.assert_allclose(got[finite], want["sample_k20_p07"][finite], atol=TOL)
+    for key, (temperature, top_k, top_p) in SAMPLING.items():
+        got = np.asarray(behavior_log_probs(logits, jnp.float32(temperature),
+                                            jnp.float32(top_p), jnp.int32(top_k)))
+        finite = np.isfinite(want[f"sample_{key}"])
+        np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=key)
+        np.testing.assert_allclose(got[finite], want[f"sample_{key}"][finite], atol=TOL,
+                                   err_msg=key)
 
 
 @pytest.mark.parametrize("wrong", ["swap_gate_up", "untransposed_o_proj"])
