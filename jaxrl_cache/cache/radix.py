@@ -125,6 +125,8 @@ class RadixCache:
                             f"{type(prefixes).__name__}")
         chunked = [self._chunks(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
         n_fresh = as_count(n_fresh, "n_fresh")
+        if lease is not None and not isinstance(lease, Lease):
+            raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
         paths = [self._walk(version, chunks) for chunks in chunked]
         newly_pinned = {node.page for path in paths for node in path
                         if self.pool.refcount[node.page] == 1}
