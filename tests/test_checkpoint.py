@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl_cache.errors import VersionError
@@ -136,7 +137,6 @@ def test_template_must_match(tmp_path, state):
 
 
 def test_ctrl_c_during_a_save_lands_after_it(tmp_path, state, monkeypatch):
-    import orbax.checkpoint as ocp
     save = ocp.CheckpointManager.save
 
     def interrupted_save(self, *args, **kwargs):

@@ -3,7 +3,6 @@ raised before any change; then random junk (hypothesis) at all of them."""
 import math
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
