@@ -112,7 +112,7 @@ class RadixCache:
     def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
         leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
-        return self.acquire(0, [], n, lease=lease)[1]
+        return self._acquire(0, [], [], as_count(n, "n"), lease)[1]
 
     def acquire(self, version: int, prefixes: Sequence[Sequence[int]], n_fresh: int, *,
                 lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
@@ -124,7 +124,11 @@ class RadixCache:
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
         chunked = [self._chunks(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
-        n_fresh = as_count(n_fresh, "n_fresh")
+        return self._acquire(version, chunked, [len(p) for p in prefixes],
+                             as_count(n_fresh, "n_fresh"), lease)
+
+    def _acquire(self, version: int, chunked: list[list[tuple]], lookup_tokens: list[int],
+                 n_fresh: int, lease: Lease | None) -> tuple[list[Match], np.ndarray]:
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
         paths = [self._walk(version, chunks) for chunks in chunked]
@@ -149,8 +153,8 @@ class RadixCache:
             if n_fresh > self.pool.num_free:
                 self._evict(n_fresh - self.pool.num_free)
             fresh = self.pool.take(n_fresh)
-            self._counters["lookups"] += len(prefixes)
-            self._counters["lookup_tokens"] += sum(len(p) for p in prefixes)
+            self._counters["lookups"] += len(chunked)
+            self._counters["lookup_tokens"] += sum(lookup_tokens)
             self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
             if lease is not None:
                 lease._parts = lease._parts + tuple(matched) + (fresh,)
@@ -200,10 +204,16 @@ class RadixCache:
 
     # ---------------------------------------------------------------- prefix trie
     def _chunks(self, tokens: Sequence[int], name: str = "tokens") -> list[tuple]:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        """Full page_size chunks of `tokens` (non-negative integer ids; list, tuple or 1-D
+        integer array)."""
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
-        tokens = tuple(as_count(t, f"{name}[{i}]") for i, t in enumerate(tokens))
+        tokens = tuple(tokens)
+        if not all(type(t) is int for t in tokens):  # fast path for plain ints
+            tokens = tuple(as_count(t, f"{name}[{i}]") for i, t in enumerate(tokens))
+        elif tokens and min(tokens) < 0:
+            raise ValueError(f"{name} must be non-negative token ids, got {min(tokens)}")
         ps = self.page_size
         return [tokens[i:i + ps] for i in range(0, len(tokens) - ps + 1, ps)]
 
@@ -221,7 +231,8 @@ class RadixCache:
               lease: Lease | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
         caller (release the returned pages, or the lease, when done)."""
-        return self.acquire(version, [tokens], 0, lease=lease)[0][0]
+        version = as_version(version)
+        return self._acquire(version, [self._chunks(tokens)], [len(tokens)], 0, lease)[0][0]
 
     def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
         """Records the full pages of `tokens` (KV written by `version`) held by the caller.
