@@ -52,8 +52,8 @@ def snapshot(cache, *leases):
 
     def walk(node, path, v):
         for chunk, child in node.children.items():
-            trie.add((v, path + chunk, child.page, child.last_access))
-            walk(child, path + chunk, v)
+            trie.add((v, path + (chunk,), child.page, child.last_access))
+            walk(child, path + (chunk,), v)
 
     for v, root in cache._roots.items():
         walk(root, (), v)

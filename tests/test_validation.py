@@ -34,7 +34,8 @@ def sample(prompt, output, version=0, group=0, logprobs=None):
 
 def rollout_batch(samples, sp=SamplingParams(n=2, max_new_tokens=4)):
     return RolloutBatch(samples=samples, version=0, sampling=sp, prefill_tokens=0,
-                        reused_tokens=0, cached_tokens=0, decode_steps=0, seconds=0.0)
+                        reused_tokens=0, cached_tokens=0, decode_steps=0, decode_chunks=0,
+                        prefill_launches=0, seconds=0.0)
 
 
 ROLLOUTS = rollout_batch([sample([1, 2, 3], [4, 5]), sample([1, 2, 3], [6, 7, 8])])

@@ -37,10 +37,10 @@ class _Node:
     __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
 
     def __init__(self, chunk, page, parent, version):
-        self.chunk = chunk  # tuple of page_size token ids (None at a root)
+        self.chunk = chunk  # page key: int32 bytes of its page_size tokens (None at a root)
         self.page = page  # physical page id (0 at a root)
         self.parent = parent
-        self.children: dict[tuple, _Node] = {}
+        self.children: dict[bytes, _Node] = {}
         self.last_access = 0
         self.version = version
 
@@ -106,6 +106,16 @@ class RadixCache:
 
     # ---------------------------------------------------------------- allocation
     @property
+    def available_pages(self) -> int:
+        """Pages `alloc` can hand out now: free + evictable cached."""
+        return self.pool.num_free + self.num_evictable
+
+    def peek(self, version: int, tokens: Sequence[int]) -> int:
+        """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
+        (no pin, no lookup counted, no LRU stamp)."""
+        return len(self._walk(as_version(version), self.page_keys(tokens)))
+
+    @property
     def num_evictable(self) -> int:
         return int((self._in_trie & (self.pool.refcount == 1)).sum())
 
@@ -123,11 +133,11 @@ class RadixCache:
         if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        chunked = [self._chunks(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
+        chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
         return self._acquire(version, chunked, [len(p) for p in prefixes],
                              as_count(n_fresh, "n_fresh"), lease)
 
-    def _acquire(self, version: int, chunked: list[list[tuple]], lookup_tokens: list[int],
+    def _acquire(self, version: int, chunked: list[list[bytes]], lookup_tokens: list[int],
                  n_fresh: int, lease: Lease | None) -> tuple[list[Match], np.ndarray]:
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
@@ -203,21 +213,23 @@ class RadixCache:
         return len(evicted)
 
     # ---------------------------------------------------------------- prefix trie
-    def _chunks(self, tokens: Sequence[int], name: str = "tokens") -> list[tuple]:
-        """Full page_size chunks of `tokens` (non-negative integer ids; list, tuple or 1-D
-        integer array)."""
+    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> list[bytes]:
+        """Hashable key of each full page of `tokens`: its int32 bytes, built in one numpy
+        pass (no per-token Python work). Token ids must be integers in [0, 2**31)."""
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
-        tokens = tuple(tokens)
-        if not all(type(t) is int for t in tokens):  # fast path for plain ints
-            tokens = tuple(as_count(t, f"{name}[{i}]") for i, t in enumerate(tokens))
-        elif tokens and min(tokens) < 0:
-            raise ValueError(f"{name} must be non-negative token ids, got {min(tokens)}")
-        ps = self.page_size
-        return [tokens[i:i + ps] for i in range(0, len(tokens) - ps + 1, ps)]
+        arr = np.asarray(tokens)
+        if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"{name} must be a 1-D sequence of integer token ids, got "
+                            f"{tokens!r:.80}")
+        if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+            raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
+        data = arr.astype(np.int32).tobytes()
+        step = 4 * self.page_size
+        return [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
 
-    def _walk(self, version: int, chunks: list[tuple]) -> list[_Node]:
+    def _walk(self, version: int, chunks: list[bytes]) -> list[_Node]:
         """The nodes of the longest cached prefix of `chunks` under `version` (no change)."""
         node, path = self._roots.get(version), []
         for chunk in chunks if node is not None else ():
@@ -232,18 +244,19 @@ class RadixCache:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
         caller (release the returned pages, or the lease, when done)."""
         version = as_version(version)
-        return self._acquire(version, [self._chunks(tokens)], [len(tokens)], 0, lease)[0][0]
+        return self._acquire(version, [self.page_keys(tokens)], [len(tokens)], 0, lease)[0][0]
 
     def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
         """Records the full pages of `tokens` (KV written by `version`) held by the caller.
 
         pages [>= len(tokens) // page_size] in order. Chunks already cached are left as they
-        are (a duplicate page stays the caller's and is freed on release); insertion stops
-        at the first chunk cached under a different page, since what follows was computed
-        against the caller's copy. Returns how many pages the trie took.
+        are (a duplicate page stays the caller's and is freed on release) and insertion
+        continues below them: a duplicate holds the same tokens' KV under the same version,
+        so what follows is the same whichever copy it was computed against. Returns how many
+        pages the trie took.
         """
         version = as_version(version)
-        chunks = self._chunks(tokens)
+        chunks = self.page_keys(tokens)
         pages = as_page_ids(pages, self.pool.num_pages)
         if pages.shape[0] < len(chunks):
             raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
@@ -258,8 +271,6 @@ class RadixCache:
             child = node.children.get(chunk) if node is not None else None
             if child is None:
                 planned = list(zip(range(i, len(chunks)), chunks[i:], pages[i:].tolist()))
-                break
-            if child.page != page:
                 break
             existing.append(child)
             node = child
@@ -317,6 +328,17 @@ class RadixCache:
             self._counters["invalidated_pages"] += int(pages.size)
             self._counters["invalidations"] += 1
         return int(pages.size)
+
+    def reconcile(self, keep_version: int) -> None:
+        """For a quiescent cache (no request holds a page): drops every namespace but
+        `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, every
+        other page free). Repairs whatever an interrupted caller left behind."""
+        with deferred_signals():
+            for v in [v for v in self._roots if v != keep_version]:
+                for page in self._nodes[v]:
+                    self._in_trie[page] = False
+                del self._roots[v], self._nodes[v]
+            self.pool.reset(self._in_trie)
 
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:
