@@ -7,9 +7,13 @@ each run: invariants hold, no reference leaked (refcounts == trie + lease holdin
 handlers are restored, and the state equals either the state before the call or the state of
 an uninterrupted run.
 """
+import os
 import pathlib
+import random
 import signal
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -162,8 +166,6 @@ def test_deferred_signal_is_delivered_once_after_the_section():
 
 
 def test_real_sigint_is_deferred_past_the_section():
-    import os
-    import time
     done = False
     with pytest.raises(KeyboardInterrupt):
         with interrupts.deferred_signals():
@@ -178,10 +180,6 @@ def test_real_sigints_at_random_moments_never_corrupt_or_leak():
     (acquire, insert, evict, release, invalidate), every reference held via leases. The SIGINT
     handler raises KeyboardInterrupt like the default one, but only while a cycle is armed (so
     the test's own loop is never hit) and at most once per cycle."""
-    import os
-    import random
-    import threading
-    import time
     cache, leases, rng = RadixCache(24, PS), [], random.Random(0)
     stop, armed = threading.Event(), [False]
 

@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxrl_cache.errors import VersionError
@@ -133,6 +134,23 @@ def test_template_must_match(tmp_path, state):
         save_checkpoint(d, None)
     with pytest.raises(ValueError, match="max_to_keep"):
         save_checkpoint(d, state, max_to_keep=0)
+
+
+def test_ctrl_c_during_a_save_lands_after_it(tmp_path, state, monkeypatch):
+    save = ocp.CheckpointManager.save
+
+    def interrupted_save(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C as the write begins
+        time.sleep(0.01)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", interrupted_save)
+    d, new = tmp_path / "ckpt", at_version(state, 1, shift=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(d, new)
+    monkeypatch.undo()
+    assert latest_checkpoint_version(d) == 1
+    assert_params_equal(restore_checkpoint(d, state), new)
 
 
 SAVER = """

@@ -238,3 +238,14 @@ def test_insert_checks_every_page_before_linking_any():
     np.testing.assert_array_equal(cache.pool.refcount, before[0])
     assert cache.stats() == before[1] and cache.match(0, [9] * 4).num_tokens == 0
     cache.check_invariants()
+
+
+def test_token_arguments_are_checked():
+    cache = RadixCache(8, PS)
+    assert cache.match(0, np.arange(8)).num_tokens == 0  # integer arrays are token sequences
+    for bad, error in (("abcd", TypeError), ([1, 2.0], TypeError), ([1, -1], ValueError),
+                       (np.zeros((2, 4), int), TypeError), (None, TypeError)):
+        with pytest.raises(error, match="tokens"):
+            cache.match(0, bad)
+    assert cache.stats().lookups == 1
+    cache.check_invariants()

@@ -3,7 +3,6 @@ raised before any change; then random junk (hypothesis) at all of them."""
 import math
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -273,7 +272,7 @@ def cache_state(cache, lease):
 
 
 @settings(max_examples=200, deadline=None)
-@given(which=st.sampled_from(["match_v", "match_t", "insert_v", "insert_t", "insert_p",
+@given(which=st.sampled_from(["match_v", "match_t", "match_lease", "insert_v", "insert_t", "insert_p",
                               "alloc", "acquire_p", "acquire_n", "evict", "invalidate",
                               "release"]),
        value=JUNK)
@@ -285,6 +284,7 @@ def test_junk_cache_calls(which, value):
     calls = {
         "match_v": lambda: cache.match(value, [1] * 8, lease=lease),
         "match_t": lambda: cache.match(0, value, lease=lease),
+        "match_lease": lambda: cache.match(0, [1] * 8, lease=value),
         "insert_v": lambda: cache.insert(value, [2] * 4, lease.pages[:1]),
         "insert_t": lambda: cache.insert(0, value, lease.pages),
         "insert_p": lambda: cache.insert(0, [3] * 8, value),

@@ -122,7 +122,7 @@ class RadixCache:
     def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
         leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
-        return self.acquire(0, [], n, lease=lease)[1]
+        return self._acquire(0, [], [], as_count(n, "n"), lease)[1]
 
     def acquire(self, version: int, prefixes: Sequence[Sequence[int]], n_fresh: int, *,
                 lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
@@ -134,7 +134,13 @@ class RadixCache:
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
         chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
-        n_fresh = as_count(n_fresh, "n_fresh")
+        return self._acquire(version, chunked, [len(p) for p in prefixes],
+                             as_count(n_fresh, "n_fresh"), lease)
+
+    def _acquire(self, version: int, chunked: list[list[bytes]], lookup_tokens: list[int],
+                 n_fresh: int, lease: Lease | None) -> tuple[list[Match], np.ndarray]:
+        if lease is not None and not isinstance(lease, Lease):
+            raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
         paths = [self._walk(version, chunks) for chunks in chunked]
         newly_pinned = {node.page for path in paths for node in path
                         if self.pool.refcount[node.page] == 1}
@@ -157,8 +163,8 @@ class RadixCache:
             if n_fresh > self.pool.num_free:
                 self._evict(n_fresh - self.pool.num_free)
             fresh = self.pool.take(n_fresh)
-            self._counters["lookups"] += len(prefixes)
-            self._counters["lookup_tokens"] += sum(len(p) for p in prefixes)
+            self._counters["lookups"] += len(chunked)
+            self._counters["lookup_tokens"] += sum(lookup_tokens)
             self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
             if lease is not None:
                 lease._parts = lease._parts + tuple(matched) + (fresh,)
@@ -237,7 +243,8 @@ class RadixCache:
               lease: Lease | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
         caller (release the returned pages, or the lease, when done)."""
-        return self.acquire(version, [tokens], 0, lease=lease)[0][0]
+        version = as_version(version)
+        return self._acquire(version, [self.page_keys(tokens)], [len(tokens)], 0, lease)[0][0]
 
     def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
         """Records the full pages of `tokens` (KV written by `version`) held by the caller.

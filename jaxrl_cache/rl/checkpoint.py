@@ -10,6 +10,7 @@ Guarantees:
   leaf; restore checks the template against them before reading and the digest after, so a
   flipped byte or a template of another model/dtype is a `CheckpointError`, as is a state
   whose optimizer update counts disagree with its version.
+- Whole: SIGINT/SIGTERM arriving during a save are delivered once it has finalized.
 - Ours only: the directory carries a marker file; a non-empty directory without it is refused
   (never written into, never pruned). Errors are one line; orbax/absl logging is silenced
   while orbax runs.
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
 from jaxrl_cache.versioning import as_version
 
@@ -127,9 +129,10 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
                                       f"contents; a weight change needs a new version")
         else:
             try:
-                mngr.save(version, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
-                mngr.wait_until_finished()
+                with deferred_signals():  # Ctrl-C lands after the step is finalized
+                    mngr.save(version, args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
+                    mngr.wait_until_finished()
             except Exception as e:  # noqa: BLE001 - orbax raises many types
                 raise CheckpointError(f"saving version {version} into {path} failed: "
                                       f"{type(e).__name__}: {_first_line(e)}") from None
