@@ -27,7 +27,7 @@ Rules = tuple[tuple[str, tuple], ...]  # ((leaf name, spec of its trailing dims)
 # FSDP: every matrix sharded along d_model; vectors replicated. Training batches are split
 # over data x fsdp; params are gathered per layer in the forward, gradients reduce-scattered.
 TRAIN_RULES: Rules = (
-    ("embed", (None, FSDP)),  # [V, d]
+    ("embed", (FSDP, None)),  # [V, d]
     ("lm_head", (FSDP, None)),  # [d, V]
     ("wq", (FSDP, None)), ("wk", (FSDP, None)), ("wv", (FSDP, None)),  # [d, H*D]
     ("wo", (None, FSDP)),  # [Hq*D, d]
