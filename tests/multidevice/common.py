@@ -1,6 +1,8 @@
 """Shared inputs of the multi-device tests and the multi-host program: a tiny model (8 query
 heads, 2 kv heads: tensor axes up to 8, kv heads copied beyond 2), a training batch and a
 paged prefill of two prompts followed by greedy decode steps."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,8 @@ def train_batch(n: int = 8, length: int = 12) -> TrainBatch:
     tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (n, length)), jnp.int32)
     mask = jnp.asarray(np.broadcast_to(np.arange(length - 1) >= 2, (n, length - 1)), jnp.float32)
     t, p, k = jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0)
-    behavior = teacher_forced_log_probs(params(1), CONFIG, tokens, t, p, k)
+    behavior = jax.jit(teacher_forced_log_probs, static_argnums=1)(params(1), CONFIG, tokens,
+                                                                     t, p, k)
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
                       advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
                       behavior_version=jnp.zeros(n, jnp.int32), temperature=t, top_p=p, top_k=k)
@@ -68,3 +71,12 @@ def greedy(prefill, decode, params, kv_cache, steps: int):
         tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
         positions = positions + 1
     return np.stack(tokens), np.stack(all_logits), kv_cache
+
+
+_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def collectives(compiled_text: str) -> list[tuple[str, str]]:
+    """(op, result type without layout) of every collective in compiled HLO text."""
+    return [(op, shape.split("{")[0]) for shape, op in _COLLECTIVE.findall(compiled_text)]
