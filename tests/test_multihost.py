@@ -10,8 +10,10 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl_cache.models import decode_forward, init_kv_cache, prefill_forward
+from jaxrl_cache.parallel.distributed import initialize_from_env
 from jaxrl_cache.rl.train import train_step
 from tests.multidevice import common
 
@@ -28,10 +30,11 @@ def launch(out_dir: pathlib.Path, processes: int = 2) -> list[subprocess.Popen]:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    coordinator = f"localhost:{free_port()}"
+    env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}",
+               JAX_NUM_PROCESSES=str(processes))
     return [subprocess.Popen(
-        [sys.executable, "-m", "tests.multidevice.multihost_program", str(out_dir / f"{i}.npz"),
-         coordinator, str(processes), str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "tests.multidevice.multihost_program", str(out_dir / f"{i}.npz")],
+        cwd=ROOT, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for i in range(processes)]
 
 
@@ -65,3 +68,12 @@ def test_two_processes_match_single_device(tmp_path):
         np.testing.assert_allclose(float(got["loss"]), ref["loss"], rtol=1e-5)
         for name, want in ref["params"].items():
             np.testing.assert_allclose(got[name], want, atol=1e-6, rtol=1e-5, err_msg=name)
+
+
+def test_initialize_from_env_refuses_incomplete_settings():
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
+        initialize_from_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
+    with pytest.raises(ValueError, match="outside"):
+        initialize_from_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
+                             "JAX_PROCESS_ID": "2"})
+    assert initialize_from_env({}) is False

@@ -3,6 +3,7 @@
 XLA SPMD within a process (Mesh, NamedSharding, shard_map) and JAX's multi-controller
 runtime (`jax.distributed.initialize`) across processes; no communication layer of our own.
 """
+from jaxrl_cache.parallel.distributed import initialize_from_env
 from jaxrl_cache.parallel.mesh import (AXES, DATA, FSDP, TENSOR, TRAIN_RULES, format_rules,
                                        kv_layout, make_mesh, rollout_rules, tree_shardings)
 from jaxrl_cache.parallel.reshard import ReshardStats, place, reshard
@@ -11,7 +12,7 @@ from jaxrl_cache.parallel.tensor_parallel import (engine_kv_cache, rollout_shard
 from jaxrl_cache.parallel.training import batch_shardings, train_state_shardings
 
 __all__ = [
-    "AXES", "DATA", "FSDP", "TENSOR", "TRAIN_RULES", "format_rules", "kv_layout", "make_mesh",
+    "initialize_from_env", "AXES", "DATA", "FSDP", "TENSOR", "TRAIN_RULES", "format_rules", "kv_layout", "make_mesh",
     "rollout_rules", "tree_shardings", "ReshardStats", "place", "reshard", "engine_kv_cache",
     "rollout_shardings", "shard_forward", "batch_shardings", "train_state_shardings",
 ]

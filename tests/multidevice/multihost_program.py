@@ -1,21 +1,20 @@
 """One program, run by every process: a sharded train step, a reshard of the new params into
 the engine's tensor-parallel layout, and a sharded paged prefill + greedy decode.
 
-    python -m tests.multidevice.multihost_program OUT.npz [COORDINATOR NUM_PROCESSES PROCESS_ID]
+    JAX_COORDINATOR_ADDRESS=localhost:PORT JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i \
+        python -m tests.multidevice.multihost_program OUT.npz
 
-With the three extra arguments it joins a multi-process run through jax.distributed (CPU
-collectives over gloo); without them it runs alone. Either way the global mesh has 8 devices
-(XLA_FLAGS sets each process's device count), and every process writes the gathered results.
+joins a multi-process run (CPU collectives over gloo); without the variables it runs alone.
+Either way the global mesh has 8 devices (XLA_FLAGS sets each process's device count), and
+every process writes the gathered results.
 """
 import sys
 
-import jax
+from jaxrl_cache.parallel.distributed import initialize_from_env
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-if len(sys.argv) == 5:
-    jax.distributed.initialize(coordinator_address=sys.argv[2],
-                               num_processes=int(sys.argv[3]), process_id=int(sys.argv[4]))
+initialize_from_env()
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
