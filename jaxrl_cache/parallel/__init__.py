@@ -12,7 +12,7 @@ from jaxrl_cache.parallel.tensor_parallel import (engine_kv_cache, rollout_shard
 from jaxrl_cache.parallel.training import batch_shardings, train_state_shardings
 
 __all__ = [
-    "initialize_from_env", "AXES", "DATA", "FSDP", "TENSOR", "TRAIN_RULES", "format_rules", "kv_layout", "make_mesh",
-    "rollout_rules", "tree_shardings", "ReshardStats", "place", "reshard", "engine_kv_cache",
+    "initialize_from_env", "AXES", "DATA", "FSDP", "TENSOR", "TRAIN_RULES", "format_rules",
+    "kv_layout", "make_mesh", "rollout_rules", "tree_shardings", "ReshardStats", "place", "reshard", "engine_kv_cache",
     "rollout_shardings", "shard_forward", "batch_shardings", "train_state_shardings",
 ]

@@ -101,7 +101,8 @@ def axis_size(mesh: Mesh, axis: str) -> int:
     return mesh.shape.get(axis, 1)
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
+    """The name a rule matches: the last key of a pytree path (dict key or attribute)."""
     key = path[-1] if path else None
     return str(getattr(key, "key", getattr(key, "name", key)))
 
@@ -134,7 +135,7 @@ def spec_for(name: str, shape: tuple, rules: Rules, mesh: Mesh) -> P:
 def tree_shardings(tree, rules: Rules, mesh: Mesh):
     """NamedSharding for every leaf of `tree` (arrays or ShapeDtypeStructs), by leaf name."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, spec_for(_leaf_name(path), np.shape(x), rules, mesh)),
+        lambda path, x: NamedSharding(mesh, spec_for(leaf_name(path), np.shape(x), rules, mesh)),
         tree)
 
 
@@ -152,7 +153,7 @@ def format_rules(rules: Rules, mesh: Mesh | None = None, params=None) -> str:
     if params is not None and mesh is not None:
         lines.append(f"\nmesh {dict(mesh.shape)}:")
         for path, x in jax.tree_util.tree_leaves_with_path(params):
-            sharding = NamedSharding(mesh, spec_for(_leaf_name(path), np.shape(x), rules, mesh))
+            sharding = NamedSharding(mesh, spec_for(leaf_name(path), np.shape(x), rules, mesh))
             lines.append(f"{jax.tree_util.keystr(path):<32} {str(tuple(np.shape(x))):<16} -> "
                          f"{str(sharding.shard_shape(np.shape(x))):<16} {sharding.spec}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxrl_cache.models import ModelConfig, init_kv_cache
 from jaxrl_cache.parallel.mesh import (TENSOR, axis_size, kv_cache_shardings, kv_layout,
-                                       rollout_rules, tree_shardings)
+                                       leaf_name, rollout_rules, tree_shardings)
 
 _ROW_PARALLEL = ("wo", "w_down")
 _KV_COLUMNS = ("wk", "wv", "bk", "bv")
@@ -69,7 +69,7 @@ def _local_params(params, config: ModelConfig, copies: int):
     d = config.head_dim
 
     def local(path, x):
-        name = str(getattr(path[-1], "key", path[-1]))
+        name = leaf_name(path)
         if name in _ROW_PARALLEL:
             return RowParallel(x)
         if name in _KV_COLUMNS and copies > 1:

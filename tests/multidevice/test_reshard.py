@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_cache.parallel import (make_mesh, reshard, rollout_shardings, train_state_shardings,
-                                  tree_shardings, TRAIN_RULES)
+from jaxrl_cache.parallel import TRAIN_RULES, make_mesh, reshard, rollout_shardings, tree_shardings
 from tests.multidevice import common
 
 CONFIG = common.CONFIG
