@@ -73,10 +73,12 @@ def greedy(prefill, decode, params, kv_cache, steps: int):
     return np.stack(tokens), np.stack(all_logits), kv_cache
 
 
-_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+_COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute)(?:-start)?\(")
 
 
-def collectives(compiled_text: str) -> list[tuple[str, str]]:
-    """(op, result type without layout) of every collective in compiled HLO text."""
-    return [(op, shape.split("{")[0]) for shape, op in _COLLECTIVE.findall(compiled_text)]
+def collectives(compiled_text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(op, its result types without layouts) of every collective in compiled HLO text; XLA
+    combines independent collectives into one with a tuple result."""
+    return [(op, tuple(re.findall(r"\w+\[[\d,]*\]", types)))
+            for types, op in _COLLECTIVE.findall(compiled_text)]

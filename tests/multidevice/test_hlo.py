@@ -37,5 +37,5 @@ def test_decode_loop_only_all_reduces_activations():
     found = common.collectives(text)
     assert found, "expected the row-parallel all-reduces"
     # the loop body is compiled once: 2 all-reduces per layer in it
-    assert found == [("all-reduce", f"f32[{b},{CONFIG.d_model}]")] * 2 * CONFIG.n_layers, found
+    assert found == [("all-reduce", (f"f32[{b},{CONFIG.d_model}]",))] * 2 * CONFIG.n_layers, found
 
