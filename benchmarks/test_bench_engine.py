@@ -73,7 +73,8 @@ def _dense_decode_loop(config, steps):
             cache, tokens, pos, key, out = carry
             x = params["embed"][tokens][:, None]  # [B, 1, d]
             new_cache = []
-            for layer, (k_all, v_all) in zip(params["layers"], cache):
+            for i, (k_all, v_all) in enumerate(cache):
+                layer = {name: w[i] for name, w in params["layers"].items()}
                 h = rms_norm(x, layer["attn_norm"], config.norm_eps)
                 q, k, v = _qkv(layer, config, h, pos[:, None])
                 rows = jnp.arange(tokens.shape[0])
@@ -103,9 +104,8 @@ def test_decode_paged_vs_dense_kv_loop(benchmark):
     rng = np.random.default_rng(0)
     width = bucket(-(-(ctx + NEW) // 16), 8)  # as the engine buckets page tables
     pool_shape = (rows * width + 1, CONFIG.n_kv_heads, 16, CONFIG.head_dim)
-    pool = tuple((jnp.asarray(rng.standard_normal(pool_shape), jnp.float32),
-                  jnp.asarray(rng.standard_normal(pool_shape), jnp.float32))
-                 for _ in range(CONFIG.n_layers))
+    pool = tuple(jnp.asarray(rng.standard_normal((CONFIG.n_layers, *pool_shape)), jnp.float32)
+                 for _ in range(2))  # stacked (k, v) [L, P, Hkv, ps, D]
     table = jnp.asarray(1 + np.arange(rows * width).reshape(rows, width), jnp.int32)
     logits = jnp.zeros((rows, CONFIG.vocab_size), jnp.float32)
     group_rows = jnp.arange(rows, dtype=jnp.int32)
