@@ -33,8 +33,9 @@ TRAIN_RULES: Rules = (
     ("wo", (None, FSDP)),  # [Hq*D, d]
     ("w_gate", (FSDP, None)), ("w_up", (FSDP, None)),  # [d, F]
     ("w_down", (None, FSDP)),  # [F, d]
-    ("bq", (None,)), ("bk", (None,)), ("bv", (None,)),
+    ("bq", (None,)), ("bk", (None,)), ("bv", (None,)), ("bo", (None,)),
     ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
+    ("q_norm", (None,)), ("k_norm", (None,)),
 )
 
 
@@ -73,9 +74,10 @@ def rollout_rules(config: ModelConfig, tensor: int) -> Rules:
         ("embed", (None, None)), ("lm_head", (None, None)),
         ("wq", (None, TENSOR)), ("bq", (TENSOR,)),
         ("wk", (None, kv)), ("wv", (None, kv)), ("bk", (kv,)), ("bv", (kv,)),
-        ("wo", (TENSOR, None)),
+        ("wo", (TENSOR, None)), ("bo", (None,)),  # bo added once, after the psum
         ("w_gate", (None, TENSOR)), ("w_up", (None, TENSOR)), ("w_down", (TENSOR, None)),
         ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
+        ("q_norm", (None,)), ("k_norm", (None,)),  # per head, [D]
         ("kv_pages", (None, TENSOR, None, None)),
     )
 

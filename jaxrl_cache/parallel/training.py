@@ -2,10 +2,11 @@
 
 Computation follows data: `rl.train.train_step` (host checks and jitted core unchanged) runs
 sharded when its state and batch are placed here; XLA SPMD partitions the step from those
-input shardings, and the new state keeps them (params gathered per use, gradients
-reduce-scattered, optimizer state sharded like its params). Checkpoints of a placed state
-are written sharded by orbax; `restore_checkpoint` onto a template placed on another mesh
-reads them into that mesh's layout.
+input shardings (params gathered per use, gradients reduced back to their shards, optimizer
+state sharded like its params). `sharded_train_step` puts the new state back in the input's
+layout, so every step reuses one executable. Checkpoints of a placed state are written
+sharded by orbax; `restore_checkpoint` onto a template placed on another mesh reads them
+into that mesh's layout.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_cache.parallel.mesh import DATA, FSDP, TRAIN_RULES, Rules, tree_shardings
-from jaxrl_cache.rl.train import TrainBatch, TrainState
+from jaxrl_cache.rl.train import TrainBatch, TrainState, train_step
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: Rules = TRAIN_RULES):
@@ -38,3 +39,13 @@ def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
     return jax.tree_util.tree_map_with_path(
         lambda path, x: whole if x.ndim == 0 or path[-1].name == "behavior_version" else split,
         batch)
+
+
+def sharded_train_step(state: TrainState, batch: TrainBatch, **kwargs):
+    """`rl.train.train_step` (same checks, same arguments) with the new state placed back in
+    `state`'s layout. XLA's propagation may choose another layout for some outputs (it shards
+    stacked [L, d] norm vectors like their neighbours); the next step would then compile a
+    second executable. Leaves already in place are not copied."""
+    layout = jax.tree.map(lambda x: x.sharding, state)
+    new_state, metrics = train_step(state, batch, **kwargs)
+    return jax.device_put(new_state, layout), metrics

@@ -14,9 +14,10 @@ from jaxrl_cache.rl.train import TrainBatch, TrainState, teacher_forced_log_prob
 CONFIG = ModelConfig.tiny(vocab_size=32, n_layers=1, d_model=32, n_heads=8, n_kv_heads=2,
                           head_dim=8, d_ff=64)
 NUM_PAGES, PAGE_SIZE = 8, 4
-# Adam with a large eps: a first step is linear in the gradient, so fp32 reduction-order
-# noise stays noise (with eps=1e-8 a near-zero gradient's sign decides a full lr step).
-TX = optax.scale_by_adam(eps=1e-3)
+# Adam with a large eps: a first step g / (|g| + eps) is then well conditioned, so fp32
+# reduction-order noise in g stays noise in the params (with eps=1e-8 a near-zero gradient's
+# sign decides a full lr step).
+TX = optax.scale_by_adam(eps=1e-1)
 
 
 def params(seed: int = 0):

@@ -36,24 +36,26 @@ def test_rollout_shard_shapes():
     for tensor, kv_cols in ((2, 8), (8, 16)):  # kv heads split (one per shard) or copied
         mesh = make_mesh({"tensor": tensor}, jax.devices()[:tensor])
         shardings = tree_shardings(params, rollout_rules(CONFIG, tensor), mesh)
-        layer = shardings["layers"][0]
-        shape = lambda name: layer[name].shard_shape(params["layers"][0][name].shape)
-        assert shape("wq") == (32, 64 // tensor)
-        assert shape("wk") == shape("wv") == (32, kv_cols)
-        assert shape("wo") == (64 // tensor, 32)
-        assert shape("w_gate") == shape("w_up") == (32, 64 // tensor)
-        assert shape("w_down") == (64 // tensor, 32)
+        layer = shardings["layers"]  # stacked: [L=1, ...] leaves
+        shape = lambda name: layer[name].shard_shape(params["layers"][name].shape)
+        assert shape("wq") == (1, 32, 64 // tensor)
+        assert shape("wk") == shape("wv") == (1, 32, kv_cols)
+        assert shape("wo") == (1, 64 // tensor, 32)
+        assert shape("w_gate") == shape("w_up") == (1, 32, 64 // tensor)
+        assert shape("w_down") == (1, 64 // tensor, 32)
         assert shardings["embed"].shard_shape(params["embed"].shape) == (32, 32)
 
 
-def test_rules_apply_to_trailing_dims_of_stacked_layers():
+def test_rules_apply_to_trailing_dims_with_or_without_a_layer_axis():
     mesh = make_mesh({"tensor": 8})
-    stacked = {"wq": jax.ShapeDtypeStruct((3, 32, 64), jnp.float32),
-               "wo": jax.ShapeDtypeStruct((3, 64, 32), jnp.float32),
-               "attn_norm": jax.ShapeDtypeStruct((3, 32), jnp.float32)}
-    specs = jax.tree.map(lambda s: s.spec, tree_shardings(stacked, rollout_rules(CONFIG, 8), mesh))
-    assert specs == {"wq": P(None, None, "tensor"), "wo": P(None, "tensor", None),
-                     "attn_norm": P(None, None)}
+    shapes = {"wq": (32, 64), "wo": (64, 32), "attn_norm": (32,)}
+    for lead in ((), (3,)):
+        tree = {k: jax.ShapeDtypeStruct(lead + v, jnp.float32) for k, v in shapes.items()}
+        specs = jax.tree.map(lambda s: s.spec,
+                             tree_shardings(tree, rollout_rules(CONFIG, 8), mesh))
+        pad = (None,) * len(lead)
+        assert specs == {"wq": P(*pad, None, "tensor"), "wo": P(*pad, "tensor", None),
+                         "attn_norm": P(*pad, None)}
 
 
 def test_optimizer_state_sharded_like_params():
@@ -64,8 +66,8 @@ def test_optimizer_state_sharded_like_params():
     assert jax.tree.map(lambda s: s.spec, mu) == jax.tree.map(lambda s: s.spec, shardings.params)
     assert jax.tree.map(lambda s: s.spec, nu) == jax.tree.map(lambda s: s.spec, shardings.params)
     assert shardings.opt_state.count.spec == P() and shardings.version.spec == P()
-    wq = state.params["layers"][0]["wq"]
-    assert shardings.params["layers"][0]["wq"].shard_shape(wq.shape) == (8, 64)
+    wq = state.params["layers"]["wq"]
+    assert shardings.params["layers"]["wq"].shard_shape(wq.shape) == (1, 8, 64)
 
 
 def test_errors_name_the_param():
@@ -81,4 +83,4 @@ def test_format_rules_lists_rules_and_per_device_shapes():
     text = format_rules(rollout_rules(CONFIG, 8), mesh, common.params())
     for name, _ in rollout_rules(CONFIG, 8):
         assert name in text
-    assert "['layers'][0]['wq']" in text and "(32, 64)" in text and "(32, 8)" in text
+    assert "['layers']['wq']" in text and "(1, 32, 64)" in text and "(1, 32, 8)" in text
