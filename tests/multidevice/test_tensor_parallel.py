@@ -60,6 +60,7 @@ def test_row_parallel_through_scan_over_stacked_layers():
             return h, x @ w_l
         return jax.lax.scan(layer, 0.0, RowParallel(w))[1]
 
-    got = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tensor", None), P(None, "tensor")),
-                        out_specs=P(), check_vma=False)(w, x)
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tensor", None),
+                                                            P(None, "tensor")),
+                                out_specs=P(), check_vma=False))(w, x)
     np.testing.assert_allclose(got, np.einsum("bi,lio->lbo", x, w), atol=1e-5, rtol=1e-5)
