@@ -141,7 +141,7 @@ def tree_shardings(tree, rules: Rules, mesh: Mesh):
         tree)
 
 
-def kv_cache_shardings(kv_cache, mesh: Mesh, rules: Rules):
+def kv_cache_shardings(kv_cache, rules: Rules, mesh: Mesh):
     """Shardings of a KV pool pytree: every leaf is [..., P, Hkv, page_size, D]."""
     return jax.tree.map(
         lambda x: NamedSharding(mesh, spec_for("kv_pages", np.shape(x), rules, mesh)), kv_cache)

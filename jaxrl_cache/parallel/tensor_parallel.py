@@ -53,7 +53,7 @@ def engine_kv_cache(config: ModelConfig, num_pages: int, page_size: int, mesh: M
     local, copies = kv_layout(config, tensor)
     wide = dataclasses.replace(config, n_kv_heads=config.n_kv_heads * copies)
     shapes = jax.eval_shape(lambda: init_kv_cache(wide, num_pages, page_size))
-    shardings = kv_cache_shardings(shapes, mesh, rollout_rules(config, tensor))
+    shardings = kv_cache_shardings(shapes, rollout_rules(config, tensor), mesh)
     return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, shardings)
 
 
@@ -97,7 +97,7 @@ def shard_forward(forward: Callable, mesh: Mesh) -> Callable:
                                            n_kv_heads=local_heads, d_ff=config.d_ff // tensor)
         rules = rollout_rules(config, tensor)
         param_specs = jax.tree.map(lambda s: s.spec, tree_shardings(params, rules, mesh))
-        kv_specs = jax.tree.map(lambda s: s.spec, kv_cache_shardings(kv_cache, mesh, rules))
+        kv_specs = jax.tree.map(lambda s: s.spec, kv_cache_shardings(kv_cache, rules, mesh))
 
         def body(params, kv_cache, *arrays):
             return forward(_local_params(params, config, copies), local_config, kv_cache,
