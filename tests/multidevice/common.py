@@ -1,0 +1,85 @@
+"""Shared inputs of the multi-device tests and the multi-host program: a tiny model (8 query
+heads, 2 kv heads: tensor axes up to 8, kv heads copied beyond 2), a training batch and a
+paged prefill of two prompts followed by greedy decode steps."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl_cache.models import ModelConfig, init_params
+from jaxrl_cache.rl.train import TrainBatch, TrainState, teacher_forced_log_probs
+
+CONFIG = ModelConfig.tiny(vocab_size=32, n_layers=1, d_model=32, n_heads=8, n_kv_heads=2,
+                          head_dim=8, d_ff=64)
+NUM_PAGES, PAGE_SIZE = 8, 4
+# Adam with a large eps: a first step g / (|g| + eps) is then well conditioned, so fp32
+# reduction-order noise in g stays noise in the params (with eps=1e-8 a near-zero gradient's
+# sign decides a full lr step).
+TX = optax.scale_by_adam(eps=1e-1)
+
+
+def params(seed: int = 0):
+    """Varied weights (scaled up so greedy decoding does not collapse to one token)."""
+    p = init_params(CONFIG, jax.random.key(seed))
+    return jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, p)
+
+
+def train_state(seed: int = 0) -> TrainState:
+    return TrainState.create(params(seed), TX, config=CONFIG, lr_schedule=1e-2)
+
+
+def train_batch(n: int = 8, length: int = 12) -> TrainBatch:
+    """n sequences; positions >= 3 are outputs; behavior logprobs from slightly different
+    params, so ratios differ from 1."""
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (n, length)), jnp.int32)
+    mask = jnp.asarray(np.broadcast_to(np.arange(length - 1) >= 2, (n, length - 1)), jnp.float32)
+    t, p, k = jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0)
+    behavior = jax.jit(teacher_forced_log_probs, static_argnums=1)(params(1), CONFIG, tokens,
+                                                                     t, p, k)
+    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
+                      advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
+                      behavior_version=jnp.zeros(n, jnp.int32), temperature=t, top_p=p, top_k=k)
+
+
+# Two prompts (5 and 3 tokens) packed for prefill; pages 1-2 and 3-4.
+PREFILL = dict(
+    tokens=np.array([3, 5, 7, 9, 11, 13, 2, 4], np.int32),
+    token_seq=np.array([0] * 5 + [1] * 3, np.int32),
+    token_pos=np.array([0, 1, 2, 3, 4, 0, 1, 2], np.int32),
+    page_table=np.array([[1, 2, 0], [3, 4, 0]], np.int32),
+    cu_q_lens=np.array([0, 5, 8], np.int32),
+    kv_lens=np.array([5, 3], np.int32),
+    logit_index=np.array([4, 7], np.int32),
+)
+
+
+def greedy(prefill, decode, params, kv_cache, steps: int):
+    """Paged prefill of PREFILL, then `steps` greedy decode steps.
+
+    prefill/decode: jitted forwards (params, kv_cache, *arrays) -> (logits, kv_cache).
+    Returns (tokens int32 [steps + 1, 2], logits f32 [steps + 1, 2, V], kv_cache).
+    """
+    logits, kv_cache = prefill(params, kv_cache, *PREFILL.values())
+    all_logits, positions = [logits], PREFILL["kv_lens"]
+    tokens = [jnp.argmax(logits, -1).astype(jnp.int32)]
+    for _ in range(steps):
+        logits, kv_cache = decode(params, kv_cache, tokens[-1], positions,
+                                  PREFILL["page_table"])
+        all_logits.append(logits)
+        tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
+        positions = positions + 1
+    return np.stack(tokens), np.stack(all_logits), kv_cache
+
+
+_COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def collectives(compiled_text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(op, its result types without layouts) of every collective in compiled HLO text; XLA
+    combines independent collectives into one with a tuple result."""
+    return [(op, tuple(re.findall(r"\w+\[[\d,]*\]", types)))
+            for types, op in _COLLECTIVE.findall(compiled_text)]
