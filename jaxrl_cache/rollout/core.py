@@ -15,18 +15,29 @@ from jaxrl_cache.models import ModelConfig, copy_pages, decode_forward, prefill_
 from jaxrl_cache.rollout.sampling import sample_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))
+def _on_mesh(forward, mesh):
+    """The model forward, tensor-parallel when the engine has a mesh (parallel.shard_forward)."""
+    if mesh is None:
+        return forward
+    from jaxrl_cache.parallel import shard_forward
+    return shard_forward(forward, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"),
+                   donate_argnames=("kv_cache",))
 def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
-                 logit_slot, copy_src, copy_dst, *, config: ModelConfig, backend: str):
+                 logit_slot, copy_src, copy_dst, *, config: ModelConfig, backend: str,
+                 mesh=None):
     """Prefills packed prompt tails, then copies partial prompt pages to sibling rows.
 
     tokens, token_seq, token_pos int32 [T]; page_table int32 [S, W]; cu_q_lens int32 [S+1];
     kv_lens int32 [S]; logit_slot int32 [B] packed token whose logits each decode slot starts
-    from; copy_src, copy_dst int32 [B]. Returns (logits f32 [B, V], kv_cache').
+    from; copy_src, copy_dst int32 [B]. mesh: as in decode_chunk.
+    Returns (logits f32 [B, V], kv_cache').
     """
-    logits, kv_cache = prefill_forward(params, config, kv_cache, tokens, token_seq, token_pos,
-                                       page_table, cu_q_lens, kv_lens, logit_slot,
-                                       backend=backend)
+    logits, kv_cache = _on_mesh(prefill_forward, mesh)(
+        params, config, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
+        logit_slot, backend=backend)
     return logits, copy_pages(kv_cache, copy_src, copy_dst)
 
 
@@ -37,23 +48,25 @@ def row_keys(key, sample_index, emitted):
         sample_index, emitted)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "steps"),
+@functools.partial(jax.jit, static_argnames=("config", "backend", "steps", "mesh"),
                    donate_argnames=("kv_cache",))
 def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
                  budget, sample_index, emitted, stop_ids, refill_at, temperature, top_p, top_k,
-                 key, *, config: ModelConfig, backend: str, steps: int):
+                 key, *, config: ModelConfig, backend: str, steps: int, mesh=None):
     """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
 
     fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,
     position int32 [B] (see scheduler.DecodeArrays); page_table int32 [B, W]; budget int32 [B]
     tokens a slot may still emit (0 = empty); sample_index, emitted int32 [B] (PRNG streams);
-    stop_ids int32 [K] (-1 = none); refill_at int32 []: stop early once this many slots have
+    stop_ids int32 [K] (-1 = none); mesh: run the forward tensor-parallel (params laid out by
+    parallel.rollout_shardings, pool by parallel.engine_kv_cache); refill_at int32 []: stop early once this many slots have
     finished in this chunk (the host has samples waiting for slots).
     Returns (tokens int32 [B, steps], logprobs f32 [B, steps], counts int32 [B],
     stopped bool [B], steps_run int32 [], kv_cache').
     """
     batch = fresh.shape[0]
     live0 = budget > 0
+    forward_fn = _on_mesh(decode_forward, mesh)
 
     def cond(state):
         step, done = state[0], state[7]
@@ -65,8 +78,8 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
         live = ~done
         first = live & fresh & (step == 0)
         forward = live & ~first
-        logits, kv = decode_forward(params, config, kv, last, jnp.where(forward, pos, -1),
-                                    page_table, backend=backend)
+        logits, kv = forward_fn(params, config, kv, last, jnp.where(forward, pos, -1),
+                                page_table, backend=backend)
         logits = jnp.where(first[:, None], fresh_logits, logits)
         keys = row_keys(key, sample_index, emitted + counts)
         tok, logp = sample_tokens(logits, keys, temperature, top_p, top_k)

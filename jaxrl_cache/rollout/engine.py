@@ -70,7 +70,10 @@ def _check_rng(rng) -> None:
 class RolloutEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig = CacheConfig(), *,
                  scheduler_config: SchedulerConfig = SchedulerConfig(), backend: str = "auto",
-                 version=0, device=None):
+                 version=0, device=None, mesh=None):
+        """mesh: a jax Mesh with a "tensor" axis (parallel.make_mesh): params and the KV pool
+        are sharded tensor-parallel over it and syncs reshard into that layout; without one
+        the engine runs on `device` (default: the first device)."""
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config must be a ModelConfig, got "
                             f"{type(model_config).__name__}")
@@ -84,17 +87,29 @@ class RolloutEngine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.backend = resolve_backend(backend)
+        if mesh is not None and device is not None:
+            raise ValueError("pass either device or mesh, not both")
         self.device = device or jax.devices()[0]
+        self.mesh = mesh
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
         self._weights = _Weights(as_version(version), None, ())
         self._lock = threading.Lock()
-        self._kv = self._fresh_pool()
         self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
                                             jax.random.key(0))
+        self._placement = self.device
+        if mesh is not None:
+            from jaxrl_cache import parallel
+            self._placement = parallel.rollout_shardings(self._param_shapes, model_config, mesh)
+        self._kv = self._fresh_pool()
 
     def _fresh_pool(self):
-        return jax.device_put(init_kv_cache(self.model_config, self.cache_config.num_pages,
-                                            self.cache_config.page_size), self.device)
+        cfg = self.cache_config
+        if self.mesh is not None:
+            from jaxrl_cache import parallel
+            return parallel.engine_kv_cache(self.model_config, cfg.num_pages, cfg.page_size,
+                                            self.mesh)
+        return jax.device_put(init_kv_cache(self.model_config, cfg.num_pages, cfg.page_size),
+                              self.device)
 
     def _cache_key(self, version: int) -> int:
         """The radix namespace of `version`: the version itself (invariant 1). Tests override
@@ -140,7 +155,9 @@ class RolloutEngine:
                     f"change must come with a new version (got {version} again)")
             return None
         self._check_params(params)
-        resident = jax.device_put(params, self.device, may_alias=False)
+        # a copy (may_alias=False): the caller may mutate or donate its arrays afterwards
+        resident = jax.block_until_ready(
+            jax.device_put(params, self._placement, may_alias=False))
         if not bool(_all_finite(resident)):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
@@ -384,7 +401,7 @@ class _Run:
                                         cfg.max_num_seqs, self.ps)
         self.fresh_logits, engine._kv = core.prefill_step(
             self.weights.params, engine._kv, *dataclasses.astuple(arrays),
-            config=engine.model_config, backend=engine.backend)
+            config=engine.model_config, backend=engine.backend, mesh=engine.mesh)
         self.computed += total
         self.prefills += 1
         if self.share:  # the prefill is dispatched: its prompt pages may be shared
@@ -408,7 +425,7 @@ class _Run:
             arrays.last_token, arrays.position, arrays.page_table, arrays.budget,
             arrays.sample_index, arrays.emitted, self.stops, np.int32(refill_at),
             **self.knobs, key=self.rng, config=engine.model_config, backend=engine.backend,
-            steps=cfg.chunk_steps)
+            steps=cfg.chunk_steps, mesh=engine.mesh)
         *host, engine._kv = out
         tokens, logprobs, counts, stopped, steps = jax.device_get(host)
         self.steps += int(steps)
