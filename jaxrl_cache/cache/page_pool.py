@@ -17,10 +17,10 @@ from jaxrl_cache.interrupts import deferred_signals
 def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
     """pages (any 1-D integer sequence) -> int32 [n], each in 1..num_pages-1."""
     arr = np.asarray(pages if not isinstance(pages, (str, bytes)) else None)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or not (arr.size == 0 or arr.dtype.kind in "iu"):  # bool refused
         raise TypeError(f"{name} must be a 1-D sequence of integer page ids, got "
                         f"{type(pages).__name__} {pages!r:.80}")
-    if arr.size and ((arr <= 0).any() or (arr >= num_pages).any()):
+    if arr.size and (arr.min() <= 0 or arr.max() >= num_pages):
         raise ValueError(f"{name}: page ids must be in 1..{num_pages - 1}, got {arr}")
     return arr.astype(np.int32)
 
@@ -43,10 +43,7 @@ class PagePool:
         if n > self._num_free:
             raise CacheFullError(f"take({n}) with only {self._num_free} free pages")
         with deferred_signals():
-            pages = self._free[self._num_free - n:self._num_free][::-1].copy()
-            self.refcount[pages] = 1
-            self._num_free -= n
-        return pages
+            return self._take(n)
 
     def incref(self, pages: np.ndarray) -> None:
         """Adds one reference per entry; every page must already be held (refcount >= 1)."""
@@ -60,20 +57,25 @@ class PagePool:
         """Drops one reference per entry; pages reaching 0 become free. Repeats are allowed
         unless the caller promises `distinct` (a faster path)."""
         pages = as_page_ids(pages, self.num_pages)
-        if pages.size == 0:
-            return
-        counts = np.bincount(pages, minlength=self.num_pages) if not distinct else None
-        if (self.refcount[pages] < (1 if distinct else counts[pages])).any():
+        pages, counts = (pages, 1) if distinct else np.unique(pages, return_counts=True)
+        if (self.refcount[pages] < counts).any():
             raise ValueError(f"released pages that were not held: {pages}")
         with deferred_signals():
-            if distinct:
-                self.refcount[pages] -= 1
-                freed = pages[self.refcount[pages] == 0]
-            else:
-                self.refcount -= counts.astype(np.int32)
-                freed = np.unique(pages[self.refcount[pages] == 0])
-            self._free[self._num_free:self._num_free + freed.size] = freed
-            self._num_free += freed.size
+            self._decref(pages, counts)
+
+    # Unchecked steps for callers that have checked and hold a deferred_signals() section.
+    def _take(self, n: int) -> np.ndarray:
+        pages = self._free[self._num_free - n:self._num_free][::-1].copy()
+        self.refcount[pages] = 1
+        self._num_free -= n
+        return pages
+
+    def _decref(self, pages: np.ndarray, counts) -> None:
+        """pages int32 [n] distinct, each losing `counts` (int or int [n]) references."""
+        self.refcount[pages] -= counts
+        freed = pages[self.refcount[pages] == 0]
+        self._free[self._num_free:self._num_free + freed.size] = freed
+        self._num_free += freed.size
 
     def reset(self, held: np.ndarray) -> None:
         """Sets refcount 1 on held pages (bool [P]) and frees every other page (one commit)."""

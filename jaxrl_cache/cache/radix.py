@@ -20,8 +20,10 @@ same step, so no interrupt can fall between taking a reference and recording who
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
+import struct
 from typing import Sequence
 
 import numpy as np
@@ -31,6 +33,12 @@ from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.versioning import as_version
+
+
+@functools.lru_cache(maxsize=4096)
+def _pages_format(n: int, size: int) -> struct.Struct:
+    """Splits the first n * size bytes into n bytes objects of `size` in one C call."""
+    return struct.Struct(f"{size}s" * n)
 
 
 class _Node:
@@ -101,6 +109,7 @@ class RadixCache:
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
         self._clock = itertools.count(1)
+        self._last_keys: tuple = (None, ())  # (tuple of tokens, its page_keys): peek, acquire
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -136,27 +145,26 @@ class RadixCache:
         chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
         n_fresh = as_count(n_fresh, "n_fresh")
         paths = [self._walk(version, chunks) for chunks in chunked]
-        newly_pinned = {node.page for path in paths for node in path
-                        if self.pool.refcount[node.page] == 1}
-        available = self.pool.num_free + self.num_evictable - len(newly_pinned)
-        if n_fresh > available:
-            raise CacheFullError(
-                f"need {n_fresh} KV pages but only {available} can be made available "
-                f"({self.pool.num_free} free + {self.num_evictable - len(newly_pinned)} "
-                f"evictable cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
-                f"smaller batch.")
-        matched = [np.fromiter((node.page for node in path), np.int32, len(path))
-                   for path in paths]
+        matched = [np.array([node.page for node in path], np.int32) for path in paths]
+        if n_fresh > self.pool.num_free:  # only then may pinning the paths matter
+            pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
+            newly_pinned = np.unique(pinned[self.pool.refcount[pinned] == 1]).size
+            evictable = self.num_evictable - newly_pinned
+            if n_fresh > self.pool.num_free + evictable:
+                raise CacheFullError(
+                    f"need {n_fresh} KV pages but only {self.pool.num_free + evictable} can be "
+                    f"made available ({self.pool.num_free} free + {evictable} evictable "
+                    f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
+                    f"smaller batch.")
         with deferred_signals():
             now = next(self._clock)
-            for path in paths:
+            for path, pages in zip(paths, matched):
                 for node in path:
                     node.last_access = now
-            if matched:
-                self.pool.incref(np.concatenate(matched))
+                self.pool.refcount[pages] += 1  # distinct within one path
             if n_fresh > self.pool.num_free:
                 self._evict(n_fresh - self.pool.num_free)
-            fresh = self.pool.take(n_fresh)
+            fresh = self.pool._take(n_fresh)
             self._counters["lookups"] += len(prefixes)
             self._counters["lookup_tokens"] += sum(len(p) for p in prefixes)
             self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
@@ -171,11 +179,14 @@ class RadixCache:
             lease, pages = pages, pages.pages
         else:
             lease, pages = None, as_page_ids(pages, self.pool.num_pages)
-        counts = np.bincount(pages, minlength=self.pool.num_pages)
-        if (self.pool.refcount[pages] < counts[pages]).any():
+        if len(set(pages.tolist())) == pages.size:  # the usual case, without a sort
+            distinct, counts = pages, 1
+        else:
+            distinct, counts = np.unique(pages, return_counts=True)
+        if (self.pool.refcount[distinct] < counts).any():
             raise ValueError(f"released pages that were not held: {pages}")
         with deferred_signals():
-            self.pool.decref(pages)
+            self.pool._decref(distinct, counts)
             if lease is not None:
                 lease._parts = ()
 
@@ -202,14 +213,28 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         pages = np.asarray(evicted, np.int32)
         self._in_trie[pages] = False
-        self.pool.decref(pages, distinct=True)
+        self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
         return len(evicted)
 
     # ---------------------------------------------------------------- prefix trie
-    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> list[bytes]:
-        """Hashable key of each full page of `tokens`: its int32 bytes, built in one numpy
-        pass (no per-token Python work). Token ids must be integers in [0, 2**31)."""
+    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> tuple[bytes, ...]:
+        """Hashable key of each full page of `tokens`: its int32 bytes, built in one C-level
+        pass (no per-token Python work). Token ids must be integers in [0, 2**31) (a
+        sequence of bools is refused, as numpy types it bool)."""
+        if type(tokens) is tuple and tokens is self._last_keys[0]:
+            return self._last_keys[1]  # immutable and still referenced: same tokens
+        if (type(tokens) in (list, tuple) and tokens
+                and not isinstance(tokens[0], (bool, np.bool_))):
+            try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
+                data = struct.pack(f"<{len(tokens)}I", *tokens)
+            except struct.error:
+                data = b"\xff" * 4
+            if data[3::4].isascii():
+                keys = self._split_pages(data)
+                if type(tokens) is tuple:
+                    self._last_keys = (tokens, keys)
+                return keys
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
@@ -219,9 +244,11 @@ class RadixCache:
                             f"{tokens!r:.80}")
         if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
             raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
-        data = arr.astype(np.int32).tobytes()
-        step = 4 * self.page_size
-        return [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
+        return self._split_pages(arr.astype("<i4").tobytes())
+
+    def _split_pages(self, data: bytes) -> tuple[bytes, ...]:
+        return _pages_format(len(data) // (4 * self.page_size), 4 * self.page_size).unpack_from(
+            data)
 
     def _walk(self, version: int, chunks: list[bytes]) -> list[_Node]:
         """The nodes of the longest cached prefix of `chunks` under `version` (no change)."""
@@ -287,7 +314,7 @@ class RadixCache:
                 parent = child
             taken = np.asarray(new_pages, np.int32)
             self._in_trie[taken] = True
-            self.pool.incref(taken)
+            self.pool.refcount[taken] += 1  # distinct, checked above
             self._counters["inserted_pages"] += taken.size
         return int(taken.size)
 
@@ -317,7 +344,7 @@ class RadixCache:
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
-            self.pool.decref(pages, distinct=True)
+            self.pool._decref(pages, 1)
             self._counters["invalidated_pages"] += int(pages.size)
             self._counters["invalidations"] += 1
         return int(pages.size)
