@@ -7,8 +7,10 @@ version v walks only v's trie, so it can never return a page written under anoth
 Ownership: the trie holds one reference to each of its pages, every request one reference to
 each page it uses. A trie page with refcount 1 is "cached" (evictable); a page with refcount 0
 is free; every other page is "in use". Always: free + cached + in use == num_pages - 1.
-A request pins the whole path it matched and inserts only below pages it holds, so a pinned
-node's ancestors are pinned too and every cached page can be evicted leaf-first.
+A request pins the whole path it matched. `insert` may hang a request's pages below cached
+nodes the request does not hold (it continues past a duplicate prefix); such an ancestor
+cannot be evicted while a page below it is pinned, so `num_evictable` (what `alloc` may
+evict, leaf-first) counts only cached pages with no pinned page below them.
 
 Interrupt safety: every method checks all of its arguments and plans its change first (any
 error is raised with nothing changed), then applies it inside `deferred_signals()`, so a
@@ -44,12 +46,12 @@ def _pages_format(n: int, size: int) -> struct.Struct:
 class _Node:
     __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
 
-    def __init__(self, chunk, page, parent, version):
+    def __init__(self, chunk, page, parent, version, last_access):
         self.chunk = chunk  # page key: int32 bytes of its page_size tokens (None at a root)
         self.page = page  # physical page id (0 at a root)
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
-        self.last_access = 0
+        self.last_access = last_access
         self.version = version
 
 
@@ -106,10 +108,13 @@ class RadixCache:
         self.page_size = as_count(page_size, "page_size", minimum=1)
         self.pool = PagePool(num_pages)
         self._in_trie = np.zeros(self.pool.num_pages, bool)  # [P]
+        self._parent = np.zeros(self.pool.num_pages, np.int32)  # [P] trie parent page (0: root)
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
         self._clock = itertools.count(1)
         self._last_keys: tuple = (None, ())  # (tuple of tokens, its page_keys): peek, acquire
+        self._trie_epoch = 0  # bumped by every change of any trie's nodes
+        self._last_walk: tuple = (None, 0, -1, [])  # (chunks, version, epoch, path)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -126,7 +131,20 @@ class RadixCache:
 
     @property
     def num_evictable(self) -> int:
-        return int((self._in_trie & (self.pool.refcount == 1)).sum())
+        """Cached pages eviction can free now."""
+        return int(self._evictable().sum())
+
+    def _evictable(self) -> np.ndarray:
+        """bool [P]: cached pages (trie only) with no pinned page below them. A pinned page
+        sits under a cached one only where `insert` continued past a duplicate prefix."""
+        cached = self._in_trie & (self.pool.refcount == 1)
+        up = self._parent[self._in_trie & (self.pool.refcount > 1)]
+        up = up[cached[up]]
+        while up.size:  # climb through cached ancestors; a pinned one has its own entry
+            cached[up] = False
+            up = self._parent[up]
+            up = up[cached[up]]
+        return cached
 
     def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
@@ -148,8 +166,8 @@ class RadixCache:
         matched = [np.array([node.page for node in path], np.int32) for path in paths]
         if n_fresh > self.pool.num_free:  # only then may pinning the paths matter
             pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
-            newly_pinned = np.unique(pinned[self.pool.refcount[pinned] == 1]).size
-            evictable = self.num_evictable - newly_pinned
+            evictable = self._evictable()
+            evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
             if n_fresh > self.pool.num_free + evictable:
                 raise CacheFullError(
                     f"need {n_fresh} KV pages but only {self.pool.num_free + evictable} can be "
@@ -212,6 +230,7 @@ class RadixCache:
                     and self.pool.refcount[parent.page] == 1):
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         pages = np.asarray(evicted, np.int32)
+        self._trie_epoch += 1
         self._in_trie[pages] = False
         self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
@@ -250,14 +269,19 @@ class RadixCache:
         return _pages_format(len(data) // (4 * self.page_size), 4 * self.page_size).unpack_from(
             data)
 
-    def _walk(self, version: int, chunks: list[bytes]) -> list[_Node]:
-        """The nodes of the longest cached prefix of `chunks` under `version` (no change)."""
+    def _walk(self, version: int, chunks: tuple[bytes, ...]) -> list[_Node]:
+        """The nodes of the longest cached prefix of `chunks` under `version` (no change).
+        The last walk is reused while the trie is unchanged (peek then acquire)."""
+        last = self._last_walk
+        if last[0] is chunks and last[1] == version and last[2] == self._trie_epoch:
+            return last[3]
         node, path = self._roots.get(version), []
         for chunk in chunks if node is not None else ():
             node = node.children.get(chunk)
             if node is None:
                 break
             path.append(node)
+        self._last_walk = (chunks, version, self._trie_epoch, path)
         return path
 
     def match(self, version: int, tokens: Sequence[int], *,
@@ -281,42 +305,36 @@ class RadixCache:
         if pages.shape[0] < len(chunks):
             raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
         pages = pages[:len(chunks)]
-        if (self.pool.refcount[pages] < 1).any():
+        if pages.size and self.pool.refcount[pages].min() < 1:
             raise ValueError(f"insert of pages the caller does not hold: "
                              f"{pages[self.pool.refcount[pages] < 1]}")
-        # plan: (parent, chunk, page) of each new node, parents possibly planned themselves
-        node = self._roots.get(version)
-        existing, planned = [], []
-        for i, (chunk, page) in enumerate(zip(chunks, pages.tolist())):
-            child = node.children.get(chunk) if node is not None else None
-            if child is None:
-                planned = list(zip(range(i, len(chunks)), chunks[i:], pages[i:].tolist()))
-                break
-            existing.append(child)
-            node = child
-        new_pages = [p for _, _, p in planned]
-        if self._in_trie[new_pages].any() or len(set(new_pages)) < len(new_pages):
+        existing = self._walk(version, chunks)
+        taken = pages[len(existing):]  # one new node each, below the cached prefix
+        new_pages = taken.tolist()
+        if self._in_trie[taken].any() or len(set(new_pages)) < len(new_pages):
             raise ValueError(f"pages {new_pages} include one already cached under another "
                              f"prefix or listed twice")
         with deferred_signals():
             if version not in self._roots:
-                self._roots[version] = _Node(None, 0, None, version)
+                self._roots[version] = _Node(None, 0, None, version, 0)
                 self._nodes[version] = {}
             parent = existing[-1] if existing else self._roots[version]
+            nodes = self._nodes[version]
             now = next(self._clock)
             for node in existing:
                 node.last_access = now
-            for _, chunk, page in planned:
-                child = _Node(chunk, page, parent, version)
-                child.last_access = now
+            for chunk, page in zip(chunks[len(existing):], new_pages):
+                child = _Node(chunk, page, parent, version, now)
                 parent.children[chunk] = child
-                self._nodes[version][page] = child
+                nodes[page] = child
                 parent = child
-            taken = np.asarray(new_pages, np.int32)
-            self._in_trie[taken] = True
-            self.pool.refcount[taken] += 1  # distinct, checked above
-            self._counters["inserted_pages"] += taken.size
-        return int(taken.size)
+            if new_pages:
+                self._parent[taken] = [existing[-1].page if existing else 0] + new_pages[:-1]
+                self._in_trie[taken] = True
+                self.pool.refcount[taken] += 1  # distinct, checked above
+                self._counters["inserted_pages"] += len(new_pages)
+                self._trie_epoch += 1
+        return len(new_pages)
 
     def invalidate_before(self, version: int) -> int:
         """Drops every entry of versions < `version` and frees their pages; returns how many.
@@ -341,6 +359,7 @@ class RadixCache:
                 f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
         with deferred_signals():
+            self._trie_epoch += 1
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
@@ -354,6 +373,7 @@ class RadixCache:
         `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, every
         other page free). Repairs whatever an interrupted caller left behind."""
         with deferred_signals():
+            self._trie_epoch += 1
             for v in [v for v in self._roots if v != keep_version]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
@@ -394,6 +414,12 @@ class RadixCache:
                 assert page not in seen, f"page {page} in the trie twice"
                 seen.add(page)
                 assert ref[page] >= 1 and self._in_trie[page]
-                if ref[page] > 1 and node.parent.chunk is not None:
-                    assert ref[node.parent.page] > 1, "pinned page under an unpinned parent"
+                assert self._parent[page] == node.parent.page, "parent index out of date"
         assert seen == set(np.flatnonzero(self._in_trie).tolist())
+
+        def evictable(node) -> tuple[int, bool]:  # (evictable pages in subtree, all cached)
+            below = [evictable(c) for c in node.children.values()]
+            free_below = all(ok for _, ok in below) and ref[node.page] == 1
+            return sum(n for n, _ in below) + free_below, free_below
+        assert self.num_evictable == sum(
+            sum(evictable(c)[0] for c in root.children.values()) for root in self._roots.values())
