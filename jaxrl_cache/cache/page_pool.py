@@ -16,7 +16,8 @@ from jaxrl_cache.interrupts import deferred_signals
 
 def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
     """pages (any 1-D integer sequence) -> int32 [n], each in 1..num_pages-1."""
-    arr = np.asarray(pages if not isinstance(pages, (str, bytes)) else None)
+    arr = pages if type(pages) is np.ndarray else np.asarray(
+        pages if not isinstance(pages, (str, bytes)) else None)
     if arr.ndim != 1 or not (arr.size == 0 or arr.dtype.kind in "iu"):  # bool refused
         raise TypeError(f"{name} must be a 1-D sequence of integer page ids, got "
                         f"{type(pages).__name__} {pages!r:.80}")

@@ -157,14 +157,15 @@ class RadixCache:
         pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
         raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
         version = as_version(version)
-        if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence):
+        if type(prefixes) not in (list, tuple) and (
+                isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
         chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
         n_fresh = as_count(n_fresh, "n_fresh")
         paths = [self._walk(version, chunks) for chunks in chunked]
         matched = [np.array([node.page for node in path], np.int32) for path in paths]
-        if n_fresh > self.pool.num_free:  # only then may pinning the paths matter
+        if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
             pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
             evictable = self._evictable()
             evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
@@ -180,12 +181,12 @@ class RadixCache:
                 for node in path:
                     node.last_access = now
                 self.pool.refcount[pages] += 1  # distinct within one path
-            if n_fresh > self.pool.num_free:
-                self._evict(n_fresh - self.pool.num_free)
+            if n_fresh > self.pool._num_free:
+                self._evict(n_fresh - self.pool._num_free)
             fresh = self.pool._take(n_fresh)
             self._counters["lookups"] += len(prefixes)
-            self._counters["lookup_tokens"] += sum(len(p) for p in prefixes)
-            self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
+            self._counters["lookup_tokens"] += sum(map(len, prefixes))
+            self._counters["hit_tokens"] += sum(map(len, paths)) * self.page_size
             if lease is not None:
                 lease._parts = lease._parts + tuple(matched) + (fresh,)
         return [Match(m, int(m.size) * self.page_size) for m in matched], fresh
@@ -271,12 +272,17 @@ class RadixCache:
 
     def _walk(self, version: int, chunks: tuple[bytes, ...]) -> list[_Node]:
         """The nodes of the longest cached prefix of `chunks` under `version` (no change).
-        The last walk is reused while the trie is unchanged (peek then acquire)."""
-        last = self._last_walk
-        if last[0] is chunks and last[1] == version and last[2] == self._trie_epoch:
-            return last[3]
-        node, path = self._roots.get(version), []
-        for chunk in chunks if node is not None else ():
+        While the trie is unchanged the last walk is reused (peek then acquire) or continued
+        (acquire of a prompt, then insert of prompt + output)."""
+        last, path = self._last_walk, []
+        if last[1] == version and last[2] == self._trie_epoch:
+            if last[0] is chunks:
+                return last[3]
+            done = len(last[0])  # the last walk's keys, all cached, prefix these: go on
+            if len(last[3]) == done and chunks[:done] == last[0]:
+                path = list(last[3])
+        node = path[-1] if path else self._roots.get(version)
+        for chunk in chunks[len(path):] if node is not None else ():
             node = node.children.get(chunk)
             if node is None:
                 break
