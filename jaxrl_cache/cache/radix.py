@@ -21,6 +21,8 @@ same step, so no interrupt can fall between taking a reference and recording who
 """
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import functools
 import heapq
@@ -30,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl_cache.cache.page_pool import PagePool, as_page_ids
+from jaxrl_cache.cache.page_pool import PagePool, as_page_ids, as_page_list
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
@@ -107,8 +109,12 @@ class RadixCache:
     def __init__(self, num_pages: int, page_size: int):
         self.page_size = as_count(page_size, "page_size", minimum=1)
         self.pool = PagePool(num_pages)
-        self._in_trie = np.zeros(self.pool.num_pages, bool)  # [P]
-        self._parent = np.zeros(self.pool.num_pages, np.int32)  # [P] trie parent page (0: root)
+        # [P] bool and [P] int32 (trie parent page, 0 under a root), each also as a Python
+        # buffer over the same memory for the per-request path (see PagePool._ref)
+        self._trie = bytearray(self.pool.num_pages)
+        self._in_trie = np.frombuffer(self._trie, bool)
+        self._parents = array.array("i", bytes(4 * self.pool.num_pages))
+        self._parent = np.frombuffer(self._parents, np.int32)
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
         self._clock = itertools.count(1)
@@ -164,7 +170,8 @@ class RadixCache:
         chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
         n_fresh = as_count(n_fresh, "n_fresh")
         paths = [self._walk(version, chunks) for chunks in chunked]
-        matched = [np.array([node.page for node in path], np.int32) for path in paths]
+        ids = [[node.page for node in path] for path in paths]
+        matched = [np.array(pages, np.int32) for pages in ids]
         if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
             pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
             evictable = self._evictable()
@@ -176,11 +183,12 @@ class RadixCache:
                     f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
         with deferred_signals():
-            now = next(self._clock)
-            for path, pages in zip(paths, matched):
+            now, ref = next(self._clock), self.pool._ref
+            for path, pages in zip(paths, ids):
                 for node in path:
                     node.last_access = now
-                self.pool.refcount[pages] += 1  # distinct within one path
+                for page in pages:
+                    ref[page] += 1
             if n_fresh > self.pool._num_free:
                 self._evict(n_fresh - self.pool._num_free)
             fresh = self.pool._take(n_fresh)
@@ -195,17 +203,18 @@ class RadixCache:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
         if isinstance(pages, Lease):
-            lease, pages = pages, pages.pages
+            lease, pages = pages, [p for part in pages._parts for p in part.tolist()]
         else:
-            lease, pages = None, as_page_ids(pages, self.pool.num_pages)
-        if len(set(pages.tolist())) == pages.size:  # the usual case, without a sort
-            distinct, counts = pages, 1
+            lease, pages = None, as_page_list(pages, self.pool.num_pages)
+        ref = self.pool._ref
+        if len(set(pages)) == len(pages):  # the usual case
+            held = not pages or min(map(ref.__getitem__, pages)) >= 1
         else:
-            distinct, counts = np.unique(pages, return_counts=True)
-        if (self.pool.refcount[distinct] < counts).any():
+            held = all(ref[p] >= n for p, n in collections.Counter(pages).items())
+        if not held:
             raise ValueError(f"released pages that were not held: {pages}")
         with deferred_signals():
-            self.pool._decref(distinct, counts)
+            self.pool._decref_list(pages)
             if lease is not None:
                 lease._parts = ()
 
@@ -307,17 +316,17 @@ class RadixCache:
         """
         version = as_version(version)
         chunks = self.page_keys(tokens)
-        pages = as_page_ids(pages, self.pool.num_pages)
-        if pages.shape[0] < len(chunks):
-            raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
-        pages = pages[:len(chunks)]
-        if pages.size and self.pool.refcount[pages].min() < 1:
+        pages = as_page_list(pages, self.pool.num_pages)
+        if len(pages) < len(chunks):
+            raise ValueError(f"{len(chunks)} full pages of tokens but only {len(pages)} pages")
+        del pages[len(chunks):]
+        ref = self.pool._ref
+        if pages and min(map(ref.__getitem__, pages)) < 1:
             raise ValueError(f"insert of pages the caller does not hold: "
-                             f"{pages[self.pool.refcount[pages] < 1]}")
+                             f"{[p for p in pages if ref[p] < 1]}")
         existing = self._walk(version, chunks)
-        taken = pages[len(existing):]  # one new node each, below the cached prefix
-        new_pages = taken.tolist()
-        if self._in_trie[taken].any() or len(set(new_pages)) < len(new_pages):
+        new_pages = pages[len(existing):]  # one new node each, below the cached prefix
+        if any(map(self._trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
             raise ValueError(f"pages {new_pages} include one already cached under another "
                              f"prefix or listed twice")
         with deferred_signals():
@@ -325,7 +334,7 @@ class RadixCache:
                 self._roots[version] = _Node(None, 0, None, version, 0)
                 self._nodes[version] = {}
             parent = existing[-1] if existing else self._roots[version]
-            nodes = self._nodes[version]
+            nodes, trie, parents = self._nodes[version], self._trie, self._parents
             now = next(self._clock)
             for node in existing:
                 node.last_access = now
@@ -333,11 +342,11 @@ class RadixCache:
                 child = _Node(chunk, page, parent, version, now)
                 parent.children[chunk] = child
                 nodes[page] = child
+                trie[page] = 1
+                parents[page] = parent.page
+                ref[page] += 1
                 parent = child
             if new_pages:
-                self._parent[taken] = [existing[-1].page if existing else 0] + new_pages[:-1]
-                self._in_trie[taken] = True
-                self.pool.refcount[taken] += 1  # distinct, checked above
                 self._counters["inserted_pages"] += len(new_pages)
                 self._trie_epoch += 1
         return len(new_pages)
