@@ -257,7 +257,7 @@ class RadixCache:
                 and not isinstance(tokens[0], (bool, np.bool_))):
             try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
                 data = struct.pack(f"<{len(tokens)}I", *tokens)
-            except struct.error:
+            except Exception:  # the numpy path below names what is wrong
                 data = b"\xff" * 4
             if data[3::4].isascii():
                 keys = self._split_pages(data)
