@@ -4,10 +4,11 @@
   python -m benchmarks.gpu_check --smoke --out /tmp/smoke      # CPU dry run, tiny shapes
 
 (1) correctness of the compiled `pallas` kernels against the `xla` reference;
-(2) decode at B=32, Hq=32, Hkv=8, D=128, bf16, page 16 and 64, L in {1k, 4k, 16k}: GB/s of
-    K/V moved, the fraction of the device's measured copy bandwidth, and the speed ratio
+(2) decode at Llama-3-8B heads (Hq=32, Hkv=8, D=128), bf16, page 16, B in {1, 8, 32, 64} x
+    L in {512, 4k, 16k}: GB/s of K/V moved, the fraction of the device's measured copy
+    bandwidth, the roofline model's prediction (benchmarks/roofline.py) and the speed ratio
     against jax.experimental.pallas.ops.gpu.paged_attention at the same shape;
-(3) causal prefill of 4k tokens: TFLOP/s.
+(3) causal prefill of 4k tokens at the default and alternative program shapes: TFLOP/s.
 Writes gpu_check.json and gpu_check.txt into --out.
 """
 from __future__ import annotations
@@ -47,73 +48,112 @@ def copy_bandwidth(smoke: bool) -> float:
     return 2 * x.nbytes / timed(copy, x, iters=10)
 
 
-def make_pool(key, pages, hkv, page_size, d, dtype):
+def make_pool(key, pages, hkv, page_size, d, dtype, layers=None):
+    """[P, Hkv, ps, D] pools, or stacked [layers, P, Hkv, ps, D] ones."""
     k1, k2 = jax.random.split(key)
-    shape = (pages, hkv, page_size, d)
+    shape = (pages, hkv, page_size, d) if layers is None else (layers, pages, hkv, page_size, d)
     return (jax.random.normal(k1, shape, dtype), jax.random.normal(k2, shape, dtype))
 
 
+def _err(got, want) -> float:
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+
+
 def check_correctness(backend, smoke, report):
+    """Compiled kernels vs the xla reference: head sizes 64/80/96/128/256, stacked pools with
+    a layer index, forced and planned splits, NaN/Inf in every slot no row may read."""
     rng = np.random.default_rng(0)
-    cases = [(8, 32, 8, 128, 16, jnp.bfloat16), (4, 8, 2, 64, 64, jnp.float32)]
+    cases = [(8, 32, 8, 128, 16, jnp.bfloat16), (4, 8, 2, 64, 64, jnp.float32),
+             (4, 32, 32, 80, 16, jnp.bfloat16), (4, 28, 4, 96, 16, jnp.bfloat16),
+             (2, 16, 8, 256, 16, jnp.bfloat16), (1, 28, 4, 128, 16, jnp.bfloat16)]
     if smoke:
-        cases = [(2, 4, 2, 64, 16, jnp.float32)]
+        cases = [(2, 4, 2, 64, 16, jnp.float32), (2, 6, 2, 80, 16, jnp.float32)]
     for b, hq, hkv, d, ps, dtype in cases:
-        width = 8
-        k, v = make_pool(jax.random.key(1), b * width + 1, hkv, ps, d, dtype)
-        table = jnp.asarray(1 + rng.permutation(b * width).reshape(b, width), jnp.int32)
-        lens = jnp.asarray(rng.integers(0, width * ps, b), jnp.int32)
+        width = 8 if smoke else 64
+        layers = 2
+        k, v = make_pool(jax.random.key(1), b * width + 1, hkv, ps, d, dtype, layers)
+        table = np.asarray(1 + rng.permutation(b * width).reshape(b, width), np.int32)
+        lens = rng.integers(1, width * ps, b).astype(np.int32)
+        lens[0] = width * ps - 3  # one long row: several splits
+        # Poison every slot no row reads (free pages, the null page, past each length) and
+        # point unused table slots at the null page.
+        used = np.zeros((b * width + 1, ps), bool)
+        for row, n in enumerate(lens):
+            pages = table[row, :-(-n // ps)] if n else table[row, :0]
+            used[pages] = True
+            if n % ps:
+                used[table[row, n // ps], n % ps:] = False
+            table[row, -(-n // ps):] = 0
+        free = jnp.asarray(~used)[None, :, None, :, None]
+        k, v = jnp.where(free, jnp.nan, k), jnp.where(free, jnp.inf, v)
+        table, lens = jnp.asarray(table), jnp.asarray(lens)
+        layer = jnp.int32(1)
         q = jax.random.normal(jax.random.key(2), (b, hq, d), dtype)
-        got = paged_decode_attention(q, k, v, table, lens, backend=backend)
-        want = paged_decode_attention(q, k, v, table, lens, backend="xla")
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        want = paged_decode_attention(q, k, v, table, lens, layer=layer, backend="xla")
+        errs = [_err(paged_decode_attention(q, k, v, table, lens, layer=layer, backend=backend,
+                                            num_splits=splits), want)
+                for splits in (None, 1, 3)]
         q_lens = rng.integers(1, width * ps // 2, b)
-        kv_lens = q_lens + rng.integers(0, width * ps // 2, b)
+        kv_lens = jnp.asarray(np.minimum(q_lens + rng.integers(0, width * ps // 2, b),
+                                         np.asarray(lens)), jnp.int32)  # unpoisoned keys
+        q_lens = np.minimum(q_lens, np.asarray(kv_lens))
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
         qp = jax.random.normal(jax.random.key(3), (int(q_lens.sum()) + 3, hq, d), dtype)
-        got_p = paged_prefill_attention(qp, k, v, table, cu, jnp.asarray(kv_lens, jnp.int32),
+        got_p = paged_prefill_attention(qp, k, v, table, cu, kv_lens, layer=layer,
                                         backend=backend)
-        want_p = paged_prefill_attention(qp, k, v, table, cu, jnp.asarray(kv_lens, jnp.int32),
+        want_p = paged_prefill_attention(qp, k, v, table, cu, kv_lens, layer=layer,
                                          backend="xla")
-        err_p = float(jnp.max(jnp.abs(got_p.astype(jnp.float32) - want_p.astype(jnp.float32))))
+        err_p = _err(got_p, want_p)
         tol = 3e-2 if dtype == jnp.bfloat16 else 2e-3  # tf32 dots on GPU for fp32
+        ok = all(e < tol for e in errs + [err_p]) and not bool(jnp.isnan(want).any())
         report["correctness"].append(dict(
             shape=f"B={b} Hq={hq} Hkv={hkv} D={d} page={ps} {jnp.dtype(dtype).name}",
-            decode_max_err=err, prefill_max_err=err_p, ok=bool(err < tol and err_p < tol)))
+            decode_max_err=max(errs), prefill_max_err=err_p, ok=bool(ok)))
 
 
 def bench_decode(backend, smoke, report, copy_bw):
+    """Decode at Llama-3-8B heads over B x L, with the roofline's prediction beside each."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
-    b, hq, hkv, d = (2, 4, 2, 64) if smoke else (32, 32, 8, 128)
-    lengths = (256,) if smoke else (1024, 4096, 16384)
-    for ps in (16, 64):
-        for length in lengths:
-            pages_per_seq = length // ps
-            k, v = make_pool(jax.random.key(0), b * pages_per_seq + 1, hkv, ps, d, jnp.bfloat16)
-            table = jnp.asarray(1 + np.random.default_rng(0).permutation(
-                b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
-            lens = jnp.full((b,), length, jnp.int32)
-            q = jax.random.normal(jax.random.key(1), (b, hq, d), jnp.bfloat16)
-            ours = jax.jit(functools.partial(paged_decode_attention, backend=backend))
-            t_ours = timed(ours, q, k, v, table, lens)
-            moved = 2 * b * length * hkv * d * 2  # K and V, bf16
-            row = dict(page=ps, L=length, ours_ms=t_ours * 1e3, GBps=moved / t_ours / 1e9,
-                       copy_fraction=moved / t_ours / copy_bw)
-            try:  # JAX's own kernel uses [Hkv, P, page, D]
-                kt, vt = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
-                splits = min(16, pages_per_seq)
-                ppcb = max(1, min(8, pages_per_seq // splits))
-                ref = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=splits,
-                                                pages_per_compute_block=ppcb, interpret=smoke))
-                t_ref = timed(ref, q, kt, vt, table, lens)
-                row.update(jax_ms=t_ref * 1e3, speedup_vs_jax=t_ref / t_ours)
-            except Exception as e:  # noqa: BLE001 - report, keep measuring
-                row.update(jax_error=f"{type(e).__name__}: {str(e)[:200]}")
-            report["decode"].append(row)
-            print("decode", row, flush=True)
+
+    from benchmarks.roofline import Device, predict, work_after
+    hq, hkv, d, ps = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
+    grid = [(2, 256)] if smoke else [(bb, ll) for bb in (1, 8, 32, 64)
+                                     for ll in (512, 4096, 16384)]
+    device = jax.devices()[0]
+    dev = Device(num_sms=int(getattr(device, "core_count", 0) or Device.num_sms))
+    for b, length in grid:
+        pages_per_seq = length // ps
+        k, v = make_pool(jax.random.key(0), b * pages_per_seq + 1, hkv, ps, d, jnp.bfloat16)
+        table = jnp.asarray(1 + np.random.default_rng(0).permutation(
+            b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
+        lens = jnp.full((b,), length, jnp.int32)
+        q = jax.random.normal(jax.random.key(1), (b, hq, d), jnp.bfloat16)
+        ours = jax.jit(functools.partial(paged_decode_attention, backend=backend,
+                                         max_kv_len=length))
+        t_ours = timed(ours, q, k, v, table, lens)
+        moved = 2 * b * length * hkv * d * 2  # K and V, bf16
+        predicted = predict(work_after(b, hq, hkv, d, length, page_size=ps,
+                                       width=pages_per_seq, dev=dev), dev)
+        row = dict(B=b, L=length, page=ps, ours_ms=t_ours * 1e3, GBps=moved / t_ours / 1e9,
+                   copy_fraction=moved / t_ours / copy_bw,
+                   predicted_us=predicted["time_us"],
+                   predicted_fraction=predicted["hbm_fraction"])
+        try:  # JAX's own kernel uses [Hkv, P, page, D]
+            kt, vt = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+            splits = min(16, pages_per_seq)
+            ppcb = max(1, min(8, pages_per_seq // splits))
+            ref = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=splits,
+                                            pages_per_compute_block=ppcb, interpret=smoke))
+            t_ref = timed(ref, q, kt, vt, table, lens)
+            row.update(jax_ms=t_ref * 1e3, speedup_vs_jax=t_ref / t_ours)
+        except Exception as e:  # noqa: BLE001 - report, keep measuring
+            row.update(jax_error=f"{type(e).__name__}: {str(e)[:200]}")
+        report["decode"].append(row)
+        print("decode", row, flush=True)
 
 
 def bench_prefill(backend, smoke, report):
+    """Causal prefill of one long sequence at the default and alternative program shapes."""
     hq, hkv, d, ps = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
     tokens = 128 if smoke else 4096
     pages = tokens // ps
@@ -122,13 +162,13 @@ def bench_prefill(backend, smoke, report):
     cu = jnp.asarray([0, tokens], jnp.int32)
     kv_lens = jnp.asarray([tokens], jnp.int32)
     q = jax.random.normal(jax.random.key(1), (tokens, hq, d), jnp.bfloat16)
-    group_rows = hq // hkv
-    for block_q, warps in (((16, 4),) if smoke else ((16, 4), (32, 4), (32, 8), (64, 8))):
+    variants = [(None, None)] if smoke else [(None, None), (128, 8), (64, 8), (128, 4)]
+    for rows, warps in variants:
         fn = jax.jit(functools.partial(paged_prefill_attention, backend=backend,
-                                       block_q=block_q, num_warps=warps))
+                                       block_rows=rows, num_warps=warps))
         t = timed(fn, q, k, v, table, cu, kv_lens, iters=10)
         flops = 4 * hq * d * tokens * (tokens + 1) / 2
-        row = dict(tokens=tokens, block_q=block_q, rows=block_q * group_rows, num_warps=warps,
+        row = dict(tokens=tokens, block_rows=rows or "default", num_warps=warps or "default",
                    ms=t * 1e3, TFLOPs=flops / t / 1e12)
         report["prefill"].append(row)
         print("prefill", row, flush=True)
@@ -160,13 +200,14 @@ def main():
     lines += [f"  {c['shape']}: decode {c['decode_max_err']:.2e}, prefill "
               f"{c['prefill_max_err']:.2e} {'ok' if c['ok'] else 'FAIL'}"
               for c in report["correctness"]]
-    lines += ["", "decode  page      L   ours ms    GB/s  copy%   jax ms  ours/jax"]
+    lines += ["", "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"]
     for r in report["decode"]:
-        lines.append(f"        {r['page']:4d} {r['L']:6d} {r['ours_ms']:9.3f} {r['GBps']:7.0f} "
-                     f"{100 * r['copy_fraction']:5.1f} {r.get('jax_ms', float('nan')):8.3f} "
+        lines.append(f"      {r['B']:3d} {r['L']:6d} {r['ours_ms']:9.3f} {r['GBps']:7.0f} "
+                     f"{100 * r['copy_fraction']:5.1f} {r['predicted_us']:9.1f} "
+                     f"{100 * r['predicted_fraction']:6.1f} {r.get('jax_ms', float('nan')):8.3f} "
                      f"{r.get('speedup_vs_jax', float('nan')):8.2f}")
-    lines += ["", "prefill tokens block_q rows warps      ms  TFLOP/s"]
-    lines += [f"        {r['tokens']:6d} {r['block_q']:7d} {r['rows']:4d} {r['num_warps']:5d} "
+    lines += ["", "prefill tokens    rows   warps      ms  TFLOP/s"]
+    lines += [f"        {r['tokens']:6d} {r['block_rows']!s:>7} {r['num_warps']!s:>7} "
               f"{r['ms']:7.3f} {r['TFLOPs']:8.1f}" for r in report["prefill"]]
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

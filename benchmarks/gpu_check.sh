@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # The prepared GPU check (one call on a lent GPU machine; about 3-5 minutes).
 # Needs jax with CUDA, numpy; installs nothing. Results go to ${OUT:-benchmarks/results}.
+#   benchmarks/gpu_check.sh            # on the GPU machine
+#   benchmarks/gpu_check.sh --smoke    # CPU dry run: tiny shapes, interpret mode (~1-2 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY="${PYTHON:-python3}"
+if [[ "${1:-}" == "--smoke" ]]; then
+  JAX_PLATFORMS=cpu exec timeout 600 "$PY" -m benchmarks.gpu_check --smoke \
+    --out "${OUT:-${TMPDIR:-/tmp}/gpu_check_smoke}"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 480 python3 -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}"
+timeout 480 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}"

@@ -11,11 +11,11 @@ from jaxrl_cache.rl.audit import AuditReport, audit_attribution
 from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from jaxrl_cache.rl.train import TrainBatch, TrainState, make_batch, make_optimizer, train_step
 from jaxrl_cache.rollout import (CacheConfig, RolloutBatch, RolloutEngine, Sample,
-                                 SamplingParams, WeightAck)
+                                 SamplingParams, SchedulerConfig, WeightAck)
 
 __all__ = [
     "AuditReport", "audit_attribution", "CheckpointError", "restore_checkpoint",
-    "save_checkpoint", "CacheConfig", "RolloutBatch", "RolloutEngine", "Sample", "WeightAck",
+    "save_checkpoint", "CacheConfig", "RolloutBatch", "RolloutEngine", "Sample", "SchedulerConfig", "WeightAck",
     "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "DecoderLM",
     "ModelConfig", "forward", "init_params", "CacheStats", "RadixCache", "SamplingParams",
     "TrainBatch", "TrainState", "make_batch", "make_optimizer", "train_step",

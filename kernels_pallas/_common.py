@@ -30,14 +30,24 @@ def check_int32(name: str, x) -> None:
         raise ValueError(f"{name} must be int32, got {x.dtype} with shape {x.shape}")
 
 
-def check_pages(q_name: str, q, k_pages, v_pages) -> None:
-    """Validates a [P, Hkv, page_size, D] pool against q [..., Hq, D]."""
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, Hkv, page_size, D], got shape {k_pages.shape}")
+def check_pages(q_name: str, q, k_pages, v_pages, layer) -> None:
+    """Validates a [P, Hkv, page_size, D] pool (layer None) or a stacked [L, P, Hkv, page_size, D]
+    pool with an int32 scalar `layer`, against q [..., Hq, D]."""
+    if k_pages.ndim not in (4, 5):
+        raise ValueError("k_pages must be [P, Hkv, page_size, D] or [L, P, Hkv, page_size, D], "
+                         f"got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
         raise ValueError(
             f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    _, num_kv_heads, _, head_dim = k_pages.shape
+    if k_pages.ndim == 5 and layer is None:
+        raise ValueError(f"a stacked pool {k_pages.shape} needs layer=<int32 scalar>")
+    if k_pages.ndim == 4 and layer is not None:
+        raise ValueError(f"layer is only valid with a stacked [L, P, Hkv, page_size, D] pool, "
+                         f"got k_pages shape {k_pages.shape}")
+    if layer is not None and (jnp.shape(layer) != () or jnp.result_type(layer) != jnp.int32):
+        raise ValueError(f"layer must be an int32 scalar, got {jnp.result_type(layer)} with "
+                         f"shape {jnp.shape(layer)}")
+    *_, num_kv_heads, _, head_dim = k_pages.shape
     num_q_heads, q_dim = q.shape[-2], q.shape[-1]
     if q_dim != head_dim:
         raise ValueError(
@@ -51,12 +61,27 @@ def check_pages(q_name: str, q, k_pages, v_pages) -> None:
         raise ValueError(f"{q_name} must be floating point, got {q.dtype}")
 
 
+def flatten_pool(pages, layer):
+    """[P, Hkv, ps, D] (layer None) or [L, P, Hkv, ps, D] -> ([L*P, Hkv, ps, D], page_offset).
+
+    The merge of the two leading axes is a bitcast (no copy); page p of layer l is row
+    page_offset + p with page_offset = l * P (int32 scalar; l is clamped to [0, L) like any
+    dynamic index).
+    """
+    if pages.ndim == 4:
+        return pages, jnp.zeros((), jnp.int32)
+    num_layers, num_pages = pages.shape[:2]
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+    return pages.reshape((num_layers * num_pages,) + pages.shape[2:]), layer * num_pages
+
+
 def check_kernel_shapes(page_size: int, head_dim: int) -> None:
-    """The Triton lowering needs power-of-2 block dimensions."""
+    """The Triton lowering needs power-of-2 blocks: pages are loaded whole, head_dim in
+    power-of-two chunks of at least 16 (80 = 64 + 16, 96 = 64 + 32)."""
     if not is_power_of_2(page_size):
         raise ValueError(f"page_size must be a power of two for the Pallas kernel, got {page_size}")
-    if not is_power_of_2(head_dim):
-        raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {head_dim}")
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 for the Pallas kernel, got {head_dim}")
 
 
 def default_scale(sm_scale: float | None, head_dim: int) -> float:

@@ -3,8 +3,10 @@
 Sequence b owns packed query rows cu_q_lens[b]:cu_q_lens[b+1]; its new token j sits at
 position kv_lens[b] - q_len[b] + j and sees every KV position <= its own, the cached prefix
 pages included. The GPU kernel cuts each sequence into query tiles of `block_q` tokens; one
-program owns (tile, kv head) with the whole GQA group folded into the rows, and walks KV pages
-only up to the tile's causal bound with an online softmax in fp32.
+program owns (tile, kv head) with the whole GQA group folded into its `block_rows` rows
+(block_q = block_rows // G, so a group of 5 wastes 3 of 128 rows, not 3 of 8), and walks KV
+pages only up to the tile's causal bound with an online softmax in fp32, masking only the
+blocks that cross the diagonal or the sequence end. Tiles run longest-first.
 """
 from __future__ import annotations
 
@@ -16,39 +18,55 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
-from kernels_pallas._flash import paged_flash_loop
+from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
+
+
+# Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
+# ptxas for sm_90 (benchmarks/results/kernel_resources-*.md): D=128 at 128 rows / 8 warps
+# needs 224 registers -> 1 program per SM; 64 rows / 4 warps: 233 -> 2 per SM, no spills.
+# D=256 spills at 64 keys per block (652-952 B); 64 rows / 8 warps / 32 keys: 222, none.
+PREFILL_ROWS = 64
+PREFILL_WARPS = {128: 4, 256: 8}  # head_dim up to the key -> warps
+PREFILL_BLOCK_K = {128: 64, 256: 32}
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale: float,
-                    page_size: int, pages_per_block: int, group_rows: int):
-    # q_ref [block_q * G_pad, D] (row r is token r // G_pad); k_ref/v_ref [P, page_size, D];
-    # pages_ref int32 [W] (this tile's sequence); info_ref int32 [4] = (first q position,
-    # kv_len, 0, 0); o_ref [block_q * G_pad, D]
+                    page_size: int, pages_per_block: int, group: int, chunks):
+    # q_ref [R, D] (row r is token r // group, head r % group; rows past block_q * group
+    # are padding); k_ref/v_ref [L*P, page_size, D]; pages_ref int32 [W] (this tile's
+    # sequence); info_ref int32 [4] = (first q position, kv_len, page offset of the layer, 0);
+    # o_ref [R, D]
     rows = q_ref.shape[0]
     block_k = pages_per_block * page_size
     q_pos0 = info_ref[0]
     kv_len = info_ref[1]
-    row_pos = q_pos0 + jnp.arange(rows) // group_rows  # [rows]
-    kv_end = jnp.minimum(kv_len, q_pos0 + rows // group_rows)  # causal bound of the tile
-    num_blocks = pl.cdiv(kv_end, block_k)
+    row_pos = q_pos0 + jnp.arange(rows) // group  # [rows]
+    kv_end = jnp.minimum(kv_len, q_pos0 + rows // group)  # causal bound of the tile
+    full_blocks = jnp.minimum(q_pos0 + 1, kv_len) // block_k  # visible to every row
 
     def visible(i, block_k):  # causal, and below the sequence's length
         col_pos = i * block_k + jnp.arange(block_k)
         return (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
 
-    o, _, l = paged_flash_loop(q_ref[...], k_ref, v_ref, pages_ref, num_blocks,
+    o, _, l = paged_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
+                               info_ref[2], 0, full_blocks, pl.cdiv(kv_end, block_k),
                                pages_per_block=pages_per_block, sm_scale=sm_scale,
-                               mask=visible)
-    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+                               mask=visible,
+                               key_valid=lambda i, bk: i * bk + jnp.arange(bk) < kv_len,
+                               chunks=chunks)
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    store_chunks(o_ref, tuple(x * inv_l[:, None] for x in o), chunks)
 
 
 def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int):
-    """Maps query tiles of block_q tokens to sequences.
+    """Maps query tiles of block_q tokens to sequences, longest causal bound first.
 
     Uses a static upper bound of cdiv(T, block_q) + B tiles; the surplus tiles have kv_len 0
-    and do no work. Returns tile_seq int32 [NT], q_pos0 int32 [NT] (position of the tile's
-    first token), kv_len int32 [NT], src int32 [NT, block_q] (packed row of each tile row;
-    num_tokens for rows past a sequence's end).
+    and do no work. Tiles are ordered by decreasing causal bound (their K/V work), so the
+    longest programs start first and the short ones fill the tail of the grid.
+    Returns tile_seq int32 [NT], q_pos0 int32 [NT] (position of the tile's first token),
+    kv_len int32 [NT], src int32 [NT, block_q] (packed row of each tile row; num_tokens for
+    rows past a sequence's end).
     """
     num_seqs = kv_lens.shape[0]
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
@@ -59,12 +77,15 @@ def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int):
     tile_seq = jnp.clip(jnp.searchsorted(tile_end, tile, side="right"), 0, num_seqs - 1)
     tile_real = tile < tile_end[-1]
     tile_q0 = (tile - (tile_end - tiles_per_seq)[tile_seq]) * block_q  # offset in the sequence
+    q_pos0 = kv_lens[tile_seq] - q_lens[tile_seq] + tile_q0
+    kv_len = jnp.where(tile_real, kv_lens[tile_seq], 0)
+    order = jnp.argsort(-jnp.minimum(kv_len, q_pos0 + block_q), stable=True)
+    tile_seq, tile_real, tile_q0, q_pos0, kv_len = (
+        x[order] for x in (tile_seq, tile_real, tile_q0, q_pos0, kv_len))
     j = jnp.arange(block_q)
     row_real = tile_real[:, None] & (tile_q0[:, None] + j[None, :] < q_lens[tile_seq][:, None])
     src = jnp.where(row_real, cu_q_lens[tile_seq][:, None] + tile_q0[:, None] + j[None, :],
                     num_tokens)
-    q_pos0 = kv_lens[tile_seq] - q_lens[tile_seq] + tile_q0
-    kv_len = jnp.where(tile_real, kv_lens[tile_seq], 0)
     return (tile_seq.astype(jnp.int32), q_pos0.astype(jnp.int32), kv_len.astype(jnp.int32),
             src.astype(jnp.int32))
 
@@ -76,76 +97,89 @@ def _scatter_tiles(out, src, num_tokens: int):
                                           mode="drop")[:num_tokens]
 
 
-def _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q,
-                    pages_per_block, num_warps, num_stages, interpret):
+def prefill_rows(num_tokens: int, group: int, rows: int | None = None) -> int:
+    """Rows of one program: `rows` (default PREFILL_ROWS), shrunk for short inputs, >= 16."""
+    rows = PREFILL_ROWS if rows is None else rows
+    if not c.is_power_of_2(rows) or rows < group:
+        raise ValueError(f"block_rows must be a power of two >= the GQA group {group}, "
+                         f"got {rows}")
+    return max(16, c.next_power_of_2(group), min(rows, c.next_power_of_2(num_tokens * group)))
+
+
+def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_lens, *,
+                    sm_scale, block_rows, pages_per_block, num_warps, num_stages, interpret):
+    # k_pages/v_pages [L*P, Hkv, ps, D] (flattened pool); page_offset int32 scalar
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    group_rows = c.next_power_of_2(group)
-    if block_q is None:  # about 128 rows per program (block_q tokens x padded GQA group)
-        block_q = max(16 // group_rows, min(128 // group_rows, c.next_power_of_2(num_tokens)))
-    rows = block_q * group_rows
+    rows = prefill_rows(num_tokens, group, block_rows)
+    block_q = rows // group  # tokens per tile; rows past block_q * group are padding
+    size_class = 128 if head_dim <= 128 else 256
     if num_warps is None:
-        num_warps = 8 if rows >= 128 else 4
+        num_warps = PREFILL_WARPS[size_class]
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)
-    for name, val in (("block_q", block_q), ("pages_per_block", pages_per_block)):
-        if not c.is_power_of_2(val):
-            raise ValueError(f"{name} must be a power of two, got {val}")
-    if not interpret and (rows < 16 or pages_per_block * page_size < 16):
-        raise ValueError(
-            f"block_q * G_pad = {rows} and pages_per_block * page_size = "
-            f"{pages_per_block * page_size} must be >= 16 for the compiled kernel")
-    width = c.next_power_of_2(max(page_table.shape[1], pages_per_block))  # Triton: power of 2
-    page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+        pages_per_block = max(1, PREFILL_BLOCK_K[size_class] // page_size)
+    if not c.is_power_of_2(pages_per_block):
+        raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
+    if not interpret and pages_per_block * page_size < 16:
+        raise ValueError(f"pages_per_block * page_size = {pages_per_block * page_size} "
+                         "must be >= 16 for the compiled kernel")
+    width = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block
+    if width != page_table.shape[1]:  # a no-op for the engine's table widths
+        page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
 
     tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
     zeros = jnp.zeros_like(tile_seq)
-    info = jnp.stack([q_pos0, kv_len, zeros, zeros], axis=1)  # [NT, 4]
+    info = jnp.stack([q_pos0, kv_len, zeros + page_offset, zeros], axis=1)  # [NT, 4]
     tile_pages = page_table[tile_seq]  # [NT, W]
 
-    # Gather q into [NT, Hkv, block_q * G_pad, D]; rows past a sequence's end are zeros.
+    # Gather q into [NT, Hkv, R, D]; rows past a sequence's end or the tile are zeros.
     qg = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src]  # [NT, block_q, Hq, D]
-    qg = qg.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, group_rows - group), (0, 0)))
-    qg = qg.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+    qg = qg.reshape(num_tiles, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(num_tiles, num_kv_heads, block_q * group, head_dim)
+    if rows != block_q * group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
 
     kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, page_size=page_size,
-                               pages_per_block=pages_per_block, group_rows=group_rows)
+                               pages_per_block=pages_per_block, group=group,
+                               chunks=head_dim_chunks(head_dim))
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
+        grid=(num_kv_heads, num_tiles),  # heads vary fastest: tiles start longest first
         in_specs=[
-            pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda t, h: (0, h, 0, 0)),
-            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda t, h: (0, h, 0, 0)),
-            pl.BlockSpec((None, width), lambda t, h: (t, 0)),
-            pl.BlockSpec((None, 4), lambda t, h: (t, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda h, t: (t, h, 0, 0)),
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda h, t: (0, h, 0, 0)),
+            pl.BlockSpec((num_pages, None, page_size, head_dim), lambda h, t: (0, h, 0, 0)),
+            pl.BlockSpec((None, width), lambda h, t: (t, 0)),
+            pl.BlockSpec((None, 4), lambda h, t: (t, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, t: (t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_prefill_attention",
     )(qg, k_pages, v_pages, tile_pages, info)
 
-    out = out.reshape(num_tiles, num_kv_heads, block_q, group_rows, head_dim)
-    out = out[:, :, :, :group].transpose(0, 2, 1, 3, 4)  # [NT, block_q, Hkv, G, D]
+    out = out[:, :, :block_q * group].reshape(num_tiles, num_kv_heads, block_q, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4)  # [NT, block_q, Hkv, G, D]
     return _scatter_tiles(out.reshape(num_tiles, block_q, num_q_heads, head_dim), src,
                           num_tokens)
 
 
 def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
-                            sm_scale=None, block_q: int = 32):
+                            layer=None, sm_scale=None, block_q: int = 32):
     """Pure-jnp paged prefill (the `xla` backend).
 
     Query tiles of block_q tokens each gather their sequence's pages once and run a dense
     masked attention; memory O(T / block_q * W * page_size), fine on CPU for the demo.
-    Shapes as `paged_prefill_attention`.
+    Shapes as `paged_prefill_attention`; gathers the table's pages of one layer, never the layer.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    *_, num_kv_heads, page_size, _ = k_pages.shape
+    k_pages, page_offset = c.flatten_pool(k_pages, layer)
+    v_pages, _ = c.flatten_pool(v_pages, layer)
+    page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
     block_q = min(block_q, c.next_power_of_2(num_tokens))
@@ -170,26 +204,28 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     p = jnp.where(mask, jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
+    v = jnp.where((col[None, :] < kv_len[:, None])[:, None, :, None], v, 0.0)  # free slots
     out = jnp.einsum("thgqk,thkd->tqhgd", p, v)
     out = out.reshape(num_tiles, block_q, num_q_heads, head_dim).astype(q.dtype)
     return _scatter_tiles(out, src, num_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "backend", "block_q", "pages_per_block", "num_warps", "num_stages"))
+    "sm_scale", "backend", "block_rows", "pages_per_block", "num_warps", "num_stages"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
-                            sm_scale=None, backend="auto", block_q=None, pages_per_block=None,
-                            num_warps=None, num_stages=2):
+                            layer=None, sm_scale=None, backend="auto", block_rows=None,
+                            pages_per_block=None, num_warps=None, num_stages=2):
     """Causal attention of packed new tokens over their sequences' pages.
 
     q [T, Hq, D] packed new tokens (T may exceed cu_q_lens[-1]; padded rows return zeros);
-    k_pages, v_pages [P, Hkv, page_size, D]; page_table int32 [B, W];
+    k_pages, v_pages [P, Hkv, page_size, D], or stacked [L, P, Hkv, page_size, D] with `layer`
+    an int32 scalar (may be traced); page_table int32 [B, W];
     cu_q_lens int32 [B + 1] offsets of each sequence's new tokens; kv_lens int32 [B] cached
     prefix + new tokens. Returns [T, Hq, D] in q's dtype with fp32 accumulation.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    c.check_pages("q", q, k_pages, v_pages)
+    c.check_pages("q", q, k_pages, v_pages, layer)
     for name, x in (("page_table", page_table), ("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens)):
         c.check_int32(name, x)
     if page_table.ndim != 2:
@@ -203,9 +239,12 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     scale = c.default_scale(sm_scale, q.shape[-1])
     if backend == "xla":
         return paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
-                                       sm_scale=scale)
-    c.check_kernel_shapes(k_pages.shape[2], q.shape[-1])
-    return _prefill_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=scale,
-                           block_q=block_q, pages_per_block=pages_per_block,
+                                       layer=layer, sm_scale=scale)
+    c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
+    k_flat, page_offset = c.flatten_pool(k_pages, layer)
+    v_flat, _ = c.flatten_pool(v_pages, layer)
+    return _prefill_pallas(q, k_flat, v_flat, page_offset, page_table, cu_q_lens, kv_lens,
+                           sm_scale=scale,
+                           block_rows=block_rows, pages_per_block=pages_per_block,
                            num_warps=num_warps, num_stages=num_stages,
                            interpret=backend == "interpret")

@@ -38,6 +38,49 @@ def test_prefill_lowers_to_triton_kernel(pages, tokens, width):
     assert "paged_prefill_attention" in text
 
 
+# batch 1: split decode (partials + XLA merge); batch 64: unsplit (one launch, direct output)
+@pytest.mark.parametrize("head_dim,batch", [(64, 1), (80, 1), (96, 64), (128, 1), (128, 64),
+                                            (256, 64)])
+def test_every_head_size_lowers(head_dim, batch):
+    q = jax.ShapeDtypeStruct((batch, HQ, head_dim), jnp.bfloat16)
+    pool_d = jax.ShapeDtypeStruct((PAGES, HKV, PAGE, head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((batch, WIDTH), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    text = lower_for_cuda(
+        lambda *a: paged_decode_attention(*a, backend="pallas", num_sms=132),
+        q, pool_d, pool_d, table, lens)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    text = lower_for_cuda(
+        lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas"),
+        jax.ShapeDtypeStruct((512, HQ, head_dim), jnp.bfloat16), pool_d, pool_d, table,
+        jax.ShapeDtypeStruct((batch + 1,), jnp.int32), lens)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+LAYERS = 28
+
+
+@pytest.mark.parametrize("pages", [PAGES, 40_000])  # 40k pages x 28 layers: > 2**32 bytes
+def test_stacked_pool_lowers_with_traced_layer(pages):
+    """[L, P, Hkv, ps, D] pools indexed by a traced layer lower for both kernels."""
+    stacked = jax.ShapeDtypeStruct((LAYERS, pages, HKV, PAGE, D), jnp.bfloat16)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    text = lower_for_cuda(
+        lambda q, k, v, t, n, i: paged_decode_attention(q, k, v, t, n, layer=i,
+                                                        backend="pallas"),
+        jax.ShapeDtypeStruct((B, HQ, D), jnp.bfloat16), stacked, stacked,
+        jax.ShapeDtypeStruct((B, WIDTH), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32),
+        layer)
+    assert "paged_decode_attention" in text
+    text = lower_for_cuda(
+        lambda q, k, v, t, cu, n, i: paged_prefill_attention(q, k, v, t, cu, n, layer=i,
+                                                             backend="pallas"),
+        jax.ShapeDtypeStruct((256, HQ, D), jnp.bfloat16), stacked, stacked,
+        jax.ShapeDtypeStruct((B, WIDTH), jnp.int32), jax.ShapeDtypeStruct((B + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((B,), jnp.int32), layer)
+    assert "paged_prefill_attention" in text
+
+
 def test_lowering_rejects_too_small_dot():
     """page 8 with one page per block would give tl.dot an N of 8: refused up front."""
     with pytest.raises(ValueError, match=">= 16"):

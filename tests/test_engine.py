@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.rollout import core as rollout_core
-from jaxrl_cache.rollout import CacheConfig, RolloutEngine
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SchedulerConfig
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
 from tests.helpers import CONFIG, dense_greedy, dense_logits, varied_params
@@ -210,3 +210,90 @@ def test_new_versions_and_params_never_recompile():
         engine.rollout(varied_params(v), v, prompts, sp, rng=jax.random.key(v))
     assert (rollout_core.prefill_step._cache_size(),
             rollout_core.decode_chunk._cache_size()) == sizes
+
+
+class TestScheduler:
+    SP = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, stop_token_ids=(5,))
+
+    def test_queued_workload_equals_a_roomy_engine(self):
+        """3 slots, a pool for ~2 rows and 2-step chunks run 12 samples with the same
+        tokens and logprobs as an engine that holds them all at once (per-sample streams)."""
+        params = varied_params(3)
+        prompts = PROMPTS + [list(range(30, 47))]
+        roomy = make_engine().rollout(params, 0, prompts, self.SP, rng=jax.random.key(7))
+        tight = RolloutEngine(CONFIG, CacheConfig(num_pages=8, page_size=PS),
+                              scheduler_config=SchedulerConfig(max_num_seqs=3, chunk_steps=2))
+        batch = tight.rollout(params, 0, prompts, self.SP, rng=jax.random.key(7))
+        assert batch.decode_chunks > 4 and batch.prefill_launches > 2
+        assert [(s.group, s.prompt_ids) for s in batch.samples] == [
+            (g, tuple(p)) for g, p in enumerate(prompts) for _ in range(3)]
+        assert [s.output_ids for s in batch.samples] == [s.output_ids for s in roomy.samples]
+        for a, b in zip(batch.samples, roomy.samples):
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+            assert a.finish_reason == b.finish_reason
+        assert {s.finish_reason for s in batch.samples} == {"stop", "length"}
+        assert balanced(tight)
+
+    def test_same_inputs_same_samples(self):
+        params = varied_params(3)
+        a = make_engine().rollout(params, 0, PROMPTS, self.SP, rng=jax.random.key(1))
+        b = make_engine().rollout(params, 0, PROMPTS, self.SP, rng=jax.random.key(1))
+        c = make_engine().rollout(params, 0, PROMPTS, self.SP, rng=jax.random.key(2))
+        assert [s.output_ids for s in a.samples] == [s.output_ids for s in b.samples]
+        assert [s.output_ids for s in a.samples] != [s.output_ids for s in c.samples]
+
+    def test_shared_system_prefix_is_computed_once_and_every_branch_cached(self):
+        params = varied_params(0)
+        system = list(range(1, 21))  # 2.5 pages
+        prompts = [system + [30 + g] * 12 for g in range(4)]  # 32 tokens = 4 pages each
+        engine = make_engine()
+        first = engine.rollout(params, 0, prompts, GREEDY, rng=jax.random.key(0))
+        # prompt 0 computes 32; the others reuse its 2 full system pages: 32 - 16 each
+        assert first.prefill_tokens == 32 + 3 * 16
+        assert [s.cached_tokens for s in first.samples] == [0, 0] + [16] * 6
+        for s in first.samples:
+            assert list(s.output_ids) == dense_greedy(params, CONFIG, s.prompt_ids, 7)[0]
+        again = engine.rollout(params, 0, prompts, GREEDY, rng=jax.random.key(0))
+        assert [s.cached_tokens for s in again.samples] == [24] * 8  # every prompt's branch
+        assert again.prefill_tokens == 4 * 8
+        assert balanced(engine)
+
+
+def test_compiles_once_per_shape_bucket(monkeypatch):
+    """Prompt lengths, partial pages, group sizes, prompt counts, max_new_tokens, params,
+    versions and sampling knobs vary. Expected compiles: decode once per table-width bucket,
+    prefill once per (packed tokens, sequences, width) bucket; the second pass, with new
+    params, versions, knobs and prompt contents, compiles nothing."""
+    engine = make_engine(num_pages=160)
+    prefill_shapes, decode_widths = set(), set()
+    real_prefill, real_decode = rollout_core.prefill_step, rollout_core.decode_chunk
+
+    def prefill_spy(params, kv, tokens, token_seq, token_pos, table, *rest, **kw):
+        prefill_shapes.add((tokens.shape, table.shape))
+        return real_prefill(params, kv, tokens, token_seq, token_pos, table, *rest, **kw)
+
+    def decode_spy(*args, **kw):
+        decode_widths.add(args[6].shape)  # page_table
+        return real_decode(*args, **kw)
+
+    monkeypatch.setattr(rollout_core, "prefill_step", prefill_spy)
+    monkeypatch.setattr(rollout_core, "decode_chunk", decode_spy)
+    sizes = real_prefill._cache_size(), real_decode._cache_size()
+    calls = [([list(range(1, 12)), list(range(2, 11))], 2, 4),
+             ([list(range(1, 17))], 3, 6),  # exact page
+             ([list(range(3, 10)), list(range(4, 12)), [5, 6, 7]], 1, 5),
+             ([list(range(1, 14))] * 2, 4, 3)]
+
+    def run(first_version, offset):
+        for v, (prompts, n, max_new) in enumerate(calls, first_version):
+            sp = SamplingParams(n=n, max_new_tokens=max_new, temperature=0.5 + 0.1 * v,
+                                top_k=v % 4, top_p=0.9 if v % 2 else 1.0)
+            prompts = [[(t + offset) % CONFIG.vocab_size for t in p] for p in prompts]
+            engine.rollout(varied_params(v % 3), v, prompts, sp, rng=jax.random.key(v))
+
+    run(0, 0)
+    compiled = real_prefill._cache_size() - sizes[0], real_decode._cache_size() - sizes[1]
+    assert compiled == (len(prefill_shapes), len(decode_widths))
+    run(len(calls), 7)
+    assert (real_prefill._cache_size() - sizes[0],
+            real_decode._cache_size() - sizes[1]) == compiled

@@ -6,15 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (paged_decode_attention, paged_prefill_attention, write_kv,
-                            write_kv_jit)
+from kernels_pallas import (paged_decode_attention, paged_prefill_attention, plan_decode,
+                            write_kv, write_kv_jit)
 from tests.dense_reference import dense_attention, gather_tokens
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-def random_pool(rng, num_pages, num_kv_heads, page_size, head_dim, dtype):
+def random_pool(rng, num_pages, num_kv_heads, page_size, head_dim, dtype, layers=None):
+    """[P, Hkv, ps, D] pools, or stacked [layers, P, Hkv, ps, D] ones."""
     shape = (num_pages, num_kv_heads, page_size, head_dim)
+    shape = shape if layers is None else (layers,) + shape
     k = jnp.asarray(rng.standard_normal(shape), dtype)
     v = jnp.asarray(rng.standard_normal(shape), dtype)
     return k, v
@@ -26,17 +28,46 @@ def random_page_table(rng, num_seqs, width, num_pages):
     return pages.reshape(num_seqs, width).astype(np.int32)
 
 
-def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
+def stacked_args(k_pages, v_pages, layer):
+    """(kernel keyword args, the layer's [P, Hkv, ps, D] pools as float64 numpy)."""
+    k, v = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    if layer is None:
+        return {}, k, v
+    return {"layer": jnp.int32(layer)}, k[layer], v[layer]
+
+
+def poison_unused(k_pages, v_pages, table, lens):
+    """NaN/Inf into every slot no row may read (free pages, the null page 0, slots past each
+    row's length); unused table slots point at the null page. Returns (k, v, table)."""
+    page_size = k_pages.shape[-2]
+    used = np.zeros((k_pages.shape[0], page_size), bool)
+    table = np.array(table)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            used[table[b, t // page_size], t % page_size] = True
+        table[b, -(-n // page_size):] = 0
+    free = ~used[:, None, :, None]
+    odd = (np.arange(page_size) % 2 == 1)[None, None, :, None]
+    k = np.where(free, np.nan, np.asarray(k_pages, np.float32))
+    v = np.where(free & odd, np.inf, np.where(free, np.nan, np.asarray(v_pages, np.float32)))
+    return jnp.asarray(k, k_pages.dtype), jnp.asarray(v, v_pages.dtype), table
+
+
+def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0, layers=None, layer=None,
+                poison=False, **kernel_args):
     rng = np.random.default_rng(seed)
     lens = [1, 2 * page_size, 2 * page_size + 3, 0]  # single token, exact pages, ragged, pad
     width = 4
     num_pages = len(lens) * width + 3
-    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(lens), width, num_pages)
+    if poison:
+        k_pages, v_pages, table = poison_unused(k_pages, v_pages, table, lens)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, head_dim)), dtype)
+    layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     out = paged_decode_attention(q, k_pages, v_pages, jnp.asarray(table),
-                                 jnp.asarray(lens, jnp.int32), backend=backend)
-    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+                                 jnp.asarray(lens, jnp.int32), backend=backend, **layer_args,
+                                 **kernel_args)
     qf = np.asarray(q, np.float64)
     for b, n in enumerate(lens):
         ref = dense_attention(qf[b:b + 1], gather_tokens(kf, table[b], n),
@@ -45,23 +76,26 @@ def decode_case(backend, page_size, hq, hkv, head_dim, dtype, seed=0):
     assert not np.isnan(np.asarray(out, np.float32)).any()
 
 
-def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, **kernel_args):
+def prefill_case(backend, page_size, hq, hkv, head_dim, dtype, cached, seed=0, layers=None,
+                 layer=None, poison=False, **kernel_args):
     rng = np.random.default_rng(seed)
     q_lens = [page_size + 3, 1, 2 * page_size]  # ragged, single token, exact pages
     cached_lens = [page_size, 2 * page_size, page_size] if cached else [0, 0, 0]
     kv_lens = [c + n for c, n in zip(cached_lens, q_lens)]
     width = max(-(-n // page_size) for n in kv_lens) + 1
     num_pages = len(q_lens) * width + 2
-    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    k_pages, v_pages = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
     table = random_page_table(rng, len(q_lens), width, num_pages)
+    if poison:
+        k_pages, v_pages, table = poison_unused(k_pages, v_pages, table, kv_lens)
+    layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
     total = sum(q_lens)
     padded = total + 5  # padded T
     q = jnp.asarray(rng.standard_normal((padded, hq, head_dim)), dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = paged_prefill_attention(q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(cu),
                                   jnp.asarray(kv_lens, jnp.int32), backend=backend,
-                                  **kernel_args)
-    kf, vf = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+                                  **layer_args, **kernel_args)
     qf = np.asarray(q, np.float64)
     for b in range(len(q_lens)):
         rows = slice(cu[b], cu[b + 1])
@@ -134,10 +168,11 @@ def test_prefill_sequence_without_new_tokens(backend):
         np.testing.assert_allclose(np.asarray(out[cu[b]:cu[b + 1]]), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("block_q,pages_per_block", [(4, 1), (8, 2)])
-def test_prefill_interpret_many_tiles_per_sequence(block_q, pages_per_block):
-    """Small query tiles: several tiles per sequence, each stopping at its causal bound."""
-    prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_q=block_q,
+@pytest.mark.parametrize("block_rows,pages_per_block", [(16, 1), (32, 2)])
+def test_prefill_interpret_many_tiles_per_sequence(block_rows, pages_per_block):
+    """Small query tiles (4 and 8 tokens of a group of 4): several tiles per sequence, each
+    stopping at its causal bound, run longest first."""
+    prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_rows=block_rows,
                  pages_per_block=pages_per_block)
 
 
@@ -160,6 +195,45 @@ def test_decode_split_k_merge_matches_single_split():
     np.testing.assert_allclose(np.asarray(one), np.asarray(many), atol=2e-5, rtol=2e-5)
 
 
+class TestDecodePlan:
+    """Split planning (Llama-3-8B heads: Hq 32, Hkv 8, D 128; page 16, table of 256 pages)."""
+    def plan(self, batch, max_kv_len, num_sms=132):
+        return plan_decode(batch, 32, 8, 128, 16, 256, max_kv_len=max_kv_len, num_sms=num_sms)
+
+    def test_full_batch_does_not_split(self):
+        for length in (512, 4096):
+            assert self.plan(64, length).num_splits == 1  # 512 programs: one wave already
+
+    def test_splits_fill_the_sms_when_the_batch_is_small(self):
+        plan = self.plan(8, 16384)
+        assert plan.programs <= 132 * 4 < plan.programs + 8 * 8  # at most one resident wave
+        assert plan.num_splits == 8
+
+    def test_no_split_of_the_longest_row_is_short_or_empty(self):
+        for batch, length in itertools.product((1, 8, 32), (100, 512, 4096, 16384)):
+            plan = self.plan(batch, length)
+            blocks = -(-length // plan.block_k)
+            assert plan.num_splits * plan.min_blocks_per_split <= max(blocks, plan.min_blocks_per_split)
+            # fp32 partial writes + reads stay within 1/8 of the split's bf16 K/V bytes
+            if plan.num_splits > 1:
+                tokens = plan.min_blocks_per_split * plan.block_k
+                assert 2 * plan.group_rows * 128 * 4 <= (2 * tokens * 128 * 2) / 8
+
+    def test_partials_hold_real_group_rows(self):
+        assert self.plan(1, 4096).group_rows == 4  # group of 4: 4 rows, not 16
+        assert plan_decode(1, 28, 4, 128, 16, 256).group_rows == 8  # group of 7
+
+    def test_more_sms_more_splits(self):
+        assert self.plan(1, 16384, num_sms=132).num_splits > self.plan(1, 16384, num_sms=16).num_splits
+
+
+@pytest.mark.parametrize("backend", ["interpret"])
+def test_decode_exact_when_lengths_exceed_max_kv_len(backend):
+    """max_kv_len only steers the split count: longer rows still attend to every key."""
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=12, max_kv_len=8, pages_per_block=1,
+                num_splits=3)
+
+
 def test_write_kv_matches_numpy_and_drops_padding():
     rng = np.random.default_rng(4)
     k_pages, v_pages = random_pool(rng, 10, 2, 4, 8, jnp.float32)
@@ -180,6 +254,76 @@ def test_write_kv_matches_numpy_and_drops_padding():
     np.testing.assert_array_equal(np.asarray(v_out), want_v)
     k_don, v_don = write_kv_jit(jnp.array(k_pages), jnp.array(v_pages), *args)
     np.testing.assert_array_equal(np.asarray(k_don), want_k)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_poisoned_free_slots_do_not_leak(backend):
+    """NaN/Inf in free pages, the null page and slots past each length leave outputs exact,
+    with one split and with several (idle splits included)."""
+    if backend == "xla":
+        decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True, num_splits=4,
+                pages_per_block=1)
+    prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=10, poison=True)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two(backend, head_dim):
+    """Phi-2's 80 and 96 run as power-of-two chunks (64 + 16, 64 + 32) against numpy.
+    Interpret mode (slow) runs decode at 80 and prefill at 96: each kernel sees 2 chunks."""
+    if backend == "xla" or head_dim == 80:
+        decode_case(backend, 16, 8, 2, head_dim, jnp.float32, seed=11)
+    if backend == "xla" or head_dim == 96:
+        prefill_case(backend, 8, 6, 2, head_dim, jnp.float32, cached=True, seed=11)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_stacked_pool_reads_only_its_layer(backend):
+    """[L, P, Hkv, ps, D] pools with a layer index match numpy on that layer's pages."""
+    decode_case(backend, 16, 8, 2, 64, jnp.float32, seed=7, layers=3, layer=2)
+    prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=7, layers=3, layer=1)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_stacked_pool_traced_layer_in_scan(backend):
+    """A layer index traced inside lax.scan (the model's layer loop) picks each layer's pages."""
+    rng = np.random.default_rng(8)
+    layers, num_pages = 2, 12
+    k_pages, v_pages = random_pool(rng, num_pages, 2, 8, 64, jnp.float32, layers)
+    table = jnp.asarray(random_page_table(rng, 2, 3, num_pages))
+    lens = jnp.asarray([5, 20], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+
+    def step(carry, layer):
+        return carry, paged_decode_attention(q, k_pages, v_pages, table, lens, layer=layer,
+                                             backend=backend)
+
+    _, outs = jax.lax.scan(step, None, jnp.arange(layers, dtype=jnp.int32))
+    for layer in range(layers):
+        want = paged_decode_attention(q, k_pages[layer], v_pages[layer], table, lens,
+                                      backend="xla")
+        np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(want), atol=2e-5,
+                                   rtol=2e-5)
+
+
+def test_write_kv_stacked_pool_writes_one_layer():
+    rng = np.random.default_rng(9)
+    k_pages, v_pages = random_pool(rng, 6, 2, 4, 8, jnp.float32, layers=3)
+    table = np.array([[3, 1], [5, 2]], np.int32)
+    seq, pos = np.array([0, 1, 1], np.int32), np.array([5, 0, -1], np.int32)
+    k_new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    v_new = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    want_k, want_v = np.array(k_pages), np.array(v_pages)
+    for t in range(2):  # token 2 is padding
+        page = table[seq[t], pos[t] // 4]
+        want_k[1, page, :, pos[t] % 4] = k_new[t]
+        want_v[1, page, :, pos[t] % 4] = v_new[t]
+    k_out, v_out = write_kv_jit(jnp.array(k_pages), jnp.array(v_pages), jnp.asarray(k_new),
+                                jnp.asarray(v_new), jnp.asarray(table), jnp.asarray(seq),
+                                jnp.asarray(pos), layer=jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
 
 
 class TestBadInput:
@@ -223,6 +367,16 @@ class TestBadInput:
             paged_decode_attention(self.q, k, k, self.table, self.lens, backend="interpret")
         # the xla reference has no such restriction
         paged_decode_attention(self.q, k, k, self.table, self.lens, backend="xla")
+
+    def test_layer_and_pool_rank_must_agree(self):
+        with pytest.raises(ValueError, match="needs layer"):
+            paged_decode_attention(self.q, self.k[None], self.k[None], self.table, self.lens)
+        with pytest.raises(ValueError, match="only valid with a stacked"):
+            paged_decode_attention(self.q, self.k, self.k, self.table, self.lens,
+                                   layer=jnp.int32(0))
+        with pytest.raises(ValueError, match="layer must be an int32 scalar"):
+            paged_decode_attention(self.q, self.k[None], self.k[None], self.table, self.lens,
+                                   layer=jnp.zeros((2,), jnp.int32))
 
     def test_unknown_backend(self):
         with pytest.raises(ValueError, match="backend"):

@@ -255,3 +255,26 @@ def test_threads_rollout_while_training(engine, state):
     for b in batches:
         assert len({s.behavior_version for s in b.samples}) == 1
         assert audit_attribution(b, params_by_version, CONFIG).ok
+
+
+def test_train_and_audit_compile_once_per_bucket(engine):
+    """Batch sizes N within a bucket, a re-created TrainState with equal hyperparameters and
+    a new (equal) schedule object, new lr values: one train-step and one audit compilation."""
+    from jaxrl_cache.rl import audit, train
+    state = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=SCHEDULE)
+    rollouts = [engine.rollout(state.params, 0, PROMPTS[:1], SamplingParams(
+        n=n, max_new_tokens=5, temperature=1.0), rng=jax.random.key(n)) for n in (5, 6, 8)]
+    batches = [make_batch(b, [reward(s) for s in b.samples], length=64) for b in rollouts]
+    assert {b.tokens.shape for b in batches} == {(8, 64)}  # N = 5, 6, 8 share a bucket
+    state, _ = train_step(state, batches[0])
+    train_before = train._train_core._cache_size()
+    audit_before = audit._teacher_forced._cache_size()
+    for b in rollouts:
+        assert audit_attribution(b, {0: varied_params(0)}, CONFIG).ok
+    for k, batch in enumerate(batches[1:]):
+        fresh = TrainState.create(state.params, config=CONFIG, version=int(state.version),
+                                  lr_schedule=optax.linear_schedule(1e-2, 1e-3, 10 + k))
+        state, m = train_step(fresh, batch)
+        assert int(m["tokens"]) == sum(len(s.output_ids) for s in rollouts[k + 1].samples)
+    assert train._train_core._cache_size() == train_before
+    assert audit._teacher_forced._cache_size() - audit_before <= 1

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -32,9 +34,14 @@ from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 
+@functools.lru_cache(maxsize=None)
 def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                    b1: float = 0.9, b2: float = 0.99) -> optax.GradientTransformation:
-    """The learning-rate-free optimizer direction used by `train_step`."""
+    """The learning-rate-free optimizer direction used by `train_step`.
+
+    Memoised: equal hyperparameters give the very same transformation, so a re-created
+    TrainState does not retrace the train step (jit keys static optax objects by identity).
+    """
     return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                        optax.scale_by_adam(b1=b1, b2=b2),
                        optax.add_decayed_weights(weight_decay))
@@ -71,7 +78,8 @@ class TrainState:
 
 @flax.struct.dataclass
 class TrainBatch:
-    tokens: jax.Array  # int32 [N, L] prompt + output, right-padded
+    tokens: jax.Array  # int32 [N, L] prompt + output, right-padded; N bucketed (pad rows
+    #                    have an all-zero loss_mask)
     loss_mask: jax.Array  # f32 [N, L-1] 1 where position t predicts an output token t+1
     behavior_logprobs: jax.Array  # f32 [N, L-1] aligned with targets tokens[:, 1:]
     advantages: jax.Array  # f32 [N]
@@ -95,15 +103,16 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6)
 def pack_samples(samples, length: int | None = None):
     """Right-padded prompt + output tokens of each sample, aligned for next-token scoring.
 
-    Returns tokens int32 [N, L]; mask f32 [N, L-1] (1 where position t predicts an output
-    token t+1); behavior f32 [N, L-1] (the recorded logprobs at those positions).
-    length defaults to the longest sample rounded up to a bucket (one compilation per bucket).
+    Returns tokens int32 [R, L]; mask f32 [R, L-1] (1 where position t predicts an output
+    token t+1); behavior f32 [R, L-1] (the recorded logprobs at those positions). Rows past
+    the N samples are padding (mask 0). R = bucket(N) and L (default: the longest sample)
+    rounded up to buckets, so batches of nearby sizes share one compilation.
     """
     longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
     length = length or bucket(longest, 64)
     if length < longest:
         raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
-    n = len(samples)
+    n = bucket(len(samples), 64)
     tokens = np.zeros((n, length), np.int32)
     mask = np.zeros((n, length - 1), np.float32)
     behavior = np.zeros((n, length - 1), np.float32)
@@ -157,11 +166,15 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     if not np.isfinite(behavior).all():
         bad = int(np.flatnonzero(~np.isfinite(behavior).all(axis=1))[0])
         raise ValueError(f"sample {bad} has non-finite behavior logprobs")
+    rows = tokens.shape[0]  # padding rows: no loss tokens, no advantage, newest version
+    advantages = np.zeros(rows, np.float32)
+    advantages[:len(samples)] = group_advantages(rewards, groups)
+    versions = np.full(rows, max(s.behavior_version for s in samples), np.int32)
+    versions[:len(samples)] = [s.behavior_version for s in samples]
     return TrainBatch(
         tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
-        behavior_logprobs=jnp.asarray(behavior),
-        advantages=jnp.asarray(group_advantages(rewards, groups)),
-        behavior_version=jnp.asarray([s.behavior_version for s in samples], jnp.int32),
+        behavior_logprobs=jnp.asarray(behavior), advantages=jnp.asarray(advantages),
+        behavior_version=jnp.asarray(versions),
         temperature=jnp.float32(sp.temperature), top_p=jnp.float32(sp.top_p),
         top_k=jnp.int32(sp.top_k))
 
@@ -199,21 +212,22 @@ def pg_loss(params, config, batch: TrainBatch, clip_eps: float, dual_clip: float
     return loss, aux
 
 
-@jax.jit
-def _train_core(state: TrainState, batch: TrainBatch, clip_eps, dual_clip):
-    """clip_eps f32 []; dual_clip f32 [] or None (traced: new values never recompile)."""
+@functools.partial(jax.jit, static_argnames=("tx", "config"))
+def _train_core(params, opt_state, version, batch: TrainBatch, lr, clip_eps, dual_clip, *,
+                tx: optax.GradientTransformation, config: ModelConfig):
+    """version int32 []; lr, clip_eps f32 []; dual_clip f32 [] or None. Every number is
+    traced (new values never recompile); tx and config are static."""
     (loss, aux), grads = jax.value_and_grad(pg_loss, has_aux=True)(
-        state.params, state.config, batch, clip_eps, dual_clip)
-    lr = state.lr_schedule(state.version)
-    direction, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params,
-                                 jax.tree.map(lambda u: -lr * u, direction))
-    version = state.version + 1
-    staleness = state.version - batch.behavior_version
-    metrics = dict(loss=loss, lr=jnp.asarray(lr, jnp.float32), version=version,
-                   grad_norm=optax.tree.norm(grads), staleness_max=staleness.max(),
-                   staleness_mean=staleness.mean(), **aux)
-    return state.replace(params=params, opt_state=opt_state, version=version), metrics
+        params, config, batch, clip_eps, dual_clip)
+    direction, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, direction))
+    real = batch.loss_mask.sum(axis=1) > 0  # [N] rows holding a sample
+    staleness = version - batch.behavior_version
+    metrics = dict(loss=loss, lr=lr, version=version + 1, grad_norm=optax.tree.norm(grads),
+                   staleness_max=jnp.where(real, staleness, 0).max(),
+                   staleness_mean=(staleness * real).sum() / jnp.maximum(real.sum(), 1),
+                   **aux)
+    return params, opt_state, version + 1, metrics
 
 
 def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | None = None,
@@ -244,7 +258,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
     lr = float(state.lr_schedule(version))
     if not np.isfinite(lr):
         raise ValueError(f"lr_schedule({version}) = {lr} is not finite")
-    behavior = np.asarray(batch.behavior_version)
+    behavior = np.asarray(batch.behavior_version)[np.asarray(batch.loss_mask).sum(axis=1) > 0]
     oldest, newest = int(behavior.min()), int(behavior.max())
     if max_policy_lag is not None and version - oldest > max_policy_lag:
         raise StalenessError(
@@ -253,8 +267,11 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
     if newest > version:
         raise StalenessError(f"batch has samples from version {newest}, newer than the "
                              f"trainer ({version})")
-    new_state, metrics = _train_core(
-        state, batch, jnp.float32(clip_eps), None if dual_clip is None else jnp.float32(dual_clip))
+    params, opt_state, new_version, metrics = _train_core(
+        state.params, state.opt_state, state.version, batch, jnp.float32(lr),
+        jnp.float32(clip_eps), None if dual_clip is None else jnp.float32(dual_clip),
+        tx=state.tx, config=state.config)
+    new_state = state.replace(params=params, opt_state=opt_state, version=new_version)
     loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"],
                                                          metrics["grad_norm"])))
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):

@@ -1,0 +1,98 @@
+"""Scheduler host functions, without a model: page planning, packing, chunk bookkeeping."""
+import numpy as np
+import pytest
+
+from jaxrl_cache.rollout import scheduler
+from jaxrl_cache.rollout.scheduler import Row
+
+PS = 4
+
+
+@pytest.mark.parametrize("prompt_len,max_new,want", [
+    (8, 1, 2),   # exact pages, one token: its KV is never written
+    (8, 2, 3),   # the first output token's KV needs a third page
+    (5, 4, 2),   # 5 + 3 written positions = 8
+    (1, 1, 1),
+])
+def test_row_pages(prompt_len, max_new, want):
+    assert scheduler.row_pages(prompt_len, max_new, PS) == want
+
+
+def _brute_force_need(prompt_len, cached, rows, max_new):
+    """Pages the unit's rows hold in total, minus the shared ones, counted position by position."""
+    positions = prompt_len + max_new - 1
+    pages_per_row = -(-positions // PS)
+    shared_full = prompt_len // PS  # full prompt pages: one copy for the unit
+    fresh_shared = shared_full - cached // PS
+    return fresh_shared, pages_per_row - shared_full
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("cached_pages", [0, 1, 2])
+@pytest.mark.parametrize("max_new", [1, 2, 7])
+def test_unit_page_need_matches_brute_force(prompt_len, cached_pages, max_new):
+    if cached_pages * PS > prompt_len - 1:
+        return  # a match never covers the last prompt token
+    got = scheduler.unit_page_need(prompt_len, cached_pages * PS, 3, max_new, PS)
+    assert got == _brute_force_need(prompt_len, cached_pages * PS, 3, max_new)
+
+
+def test_layout_unit_shares_prefix_and_splits_own_pages():
+    prompt = tuple(range(10))  # 2 full pages + a partial one
+    matched = np.array([7], np.int32)
+    shared, own = scheduler.unit_page_need(10, 4, 3, 5, PS)  # 1 shared, 2 own per row
+    fresh = np.arange(20, 20 + shared + 3 * own, dtype=np.int32)
+    unit = scheduler.layout_unit(2, prompt, 6, matched, fresh, 3, 5, PS)
+    assert unit.cached_tokens == 4 and unit.new_tokens == 6
+    assert [r.index for r in unit.rows] == [6, 7, 8]
+    assert [r.pages.tolist() for r in unit.rows] == [[7, 20, 21, 22], [7, 20, 23, 24],
+                                                     [7, 20, 25, 26]]
+    with pytest.raises(ValueError, match="fresh pages"):
+        scheduler.layout_unit(2, prompt, 6, matched, fresh[:-1], 3, 5, PS)
+
+
+def test_pack_prefill_packs_tails_and_copies_partial_pages():
+    a = scheduler.layout_unit(0, tuple(range(1, 11)), 0, np.array([5], np.int32),
+                              np.arange(10, 13, dtype=np.int32), 2, 3, PS)
+    b = scheduler.layout_unit(1, (9, 9, 9, 9), 2, np.zeros(0, np.int32),
+                              np.array([30, 31], np.int32), 1, 3, PS)
+    arrays = scheduler.pack_prefill([(a, [3, 0]), (b, [1])], num_tokens=16, num_seqs=4,
+                                    width=8, num_slots=4, page_size=PS)
+    # unit a: cached 4 tokens, computes 6 (positions 4..9); unit b computes its 4 tokens
+    assert arrays.tokens[:10].tolist() == list(range(5, 11)) + [9, 9, 9, 9]
+    assert arrays.token_pos[:10].tolist() == list(range(4, 10)) + [0, 1, 2, 3]
+    assert (arrays.token_pos[10:] == -1).all()
+    assert arrays.token_seq[:10].tolist() == [0] * 6 + [1] * 4
+    assert arrays.cu_q_lens.tolist() == [0, 6, 10, 10, 10]
+    assert arrays.kv_lens.tolist() == [10, 4, 0, 0]
+    assert arrays.page_table[0, :3].tolist() == a.rows[0].pages.tolist() == [5, 10, 11]
+    # both rows of a start from a's last prompt token; b's row from b's
+    assert arrays.logit_slot[[3, 0, 1]].tolist() == [5, 5, 9]
+    # a's second row (slot 0) copies the partial page (index 2) of the first row; b is exact
+    assert (arrays.copy_src[0], arrays.copy_dst[0]) == (a.rows[0].pages[2], a.rows[1].pages[2])
+    assert arrays.copy_src[[1, 2, 3]].tolist() == [0, 0, 0]
+
+
+def test_pack_decode_and_apply_chunk_track_positions_and_finish():
+    fresh = Row(index=0, group=0, prompt=(1, 2, 3), pages=np.array([4, 5], np.int32),
+                cached_tokens=0)
+    running = Row(index=1, group=0, prompt=(1, 2, 3), pages=np.array([4, 6], np.int32),
+                  cached_tokens=0, fresh=False, tokens=[7, 8], logprobs=[-1.0, -2.0])
+    slots = [fresh, None, running]
+    arrays = scheduler.pack_decode(slots, width=4, max_new_tokens=5)
+    assert arrays.fresh.tolist() == [True, False, False]
+    assert arrays.position.tolist() == [3, 0, 4]  # fresh: prompt length; running: its last
+    assert arrays.last_token.tolist() == [0, 0, 8]
+    assert arrays.budget.tolist() == [5, 0, 3]
+    assert arrays.emitted.tolist() == [0, 0, 2]
+    assert arrays.page_table[2].tolist() == [4, 6, 0, 0]
+    tokens = np.array([[9, 9, 0], [0, 0, 0], [1, 2, 3]], np.int32)
+    logprobs = -np.ones((3, 3), np.float32)
+    done = scheduler.apply_chunk(slots, tokens, logprobs, np.array([2, 0, 3]),
+                                 np.array([False, False, False]), max_new_tokens=5)
+    assert done == [2] and running.finish_reason == "length"
+    assert running.tokens == [7, 8, 1, 2, 3] and fresh.tokens == [9, 9] and not fresh.fresh
+    done = scheduler.apply_chunk([fresh], tokens[:1], logprobs[:1], np.array([1]),
+                                 np.array([True]), max_new_tokens=5)
+    assert done == [0] and fresh.finish_reason == "stop" and fresh.tokens == [9, 9, 9]
+    assert scheduler.written_tokens(fresh) == (1, 2, 3, 9, 9)
