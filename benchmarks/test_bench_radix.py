@@ -1,38 +1,174 @@
-"""Host-side cache bookkeeping: GRPO-shaped match+insert trace and the invalidation ack path."""
-import numpy as np
+"""Host-side cache bookkeeping: the GRPO match+insert trace, ours vs sglang-jax's RadixCache,
+and the invalidation ack path.
 
-from jaxrl_cache.cache.radix import RadixCache
+The trace (`grpo_trace`): 64 prompts x 8 samples, 512-token prompts sharing a 256-token
+system prefix, 64 output tokens per sample, page 16, run at 2 versions (the second trie is
+built while the first is still cached). Per sample, as the engine does: match the prompt
+(pinning it), then insert prompt + output, then let go. One op = one match or one insert.
+
+sglang-jax is never vendored: its `radix_cache.py` (and `base_prefix_cache.py`, which it
+imports) is loaded at run time from a checkout named by SGLANG_JAX_SRC (the repository root
+or its `python/` folder); its other imports are stubbed. Without it those benchmarks skip.
+
+Script: `python -m benchmarks.test_bench_radix [--json PATH]` prints ops/s of both and the
+ratio (and writes them to PATH).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from jaxrl_cache.cache.radix import Lease, RadixCache
 
 PAGE = 16
+VERSIONS = (0, 1)
 
 
-def grpo_trace(num_prompts=64, group=8, prompt_len=512, system_len=256, seed=0):
+def grpo_trace(num_prompts=64, group=8, prompt_len=512, system_len=256, output_len=64,
+               seed=0):
+    """[(prompt, prompt + output) per sample], prompt-major; token tuples as the engine has."""
     rng = np.random.default_rng(seed)
     system = rng.integers(0, 32000, system_len).tolist()
-    return [system + rng.integers(0, 32000, prompt_len - system_len).tolist()
-            for _ in range(num_prompts)], group
-
-
-def run_trace(prompts, group):
-    cache = RadixCache(4096, PAGE)
-    for prompt in prompts:
+    trace = []
+    for _ in range(num_prompts):
+        prompt = tuple(system + rng.integers(0, 32000, prompt_len - system_len).tolist())
         for _ in range(group):
-            m = cache.match(0, prompt)
-            own = cache.alloc(len(prompt) // PAGE - m.pages.size)
-            held = np.concatenate([m.pages, own])
-            cache.insert(0, prompt, held)
-            cache.release(held)
-    return cache.stats()
+            trace.append((prompt, prompt + tuple(rng.integers(0, 32000, output_len).tolist())))
+    return trace
 
 
+def trace_ops(trace) -> int:
+    return 2 * len(trace) * len(VERSIONS)  # one match + one insert per sample per version
+
+
+def run_ours(trace):
+    """Per sample: peek (pages to plan), acquire (match + fresh pages, held by a lease),
+    insert, release."""
+    cache = RadixCache(8192, PAGE)
+    for version in VERSIONS:
+        for prompt, seq in trace:
+            lease = Lease()
+            n_fresh = len(seq) // PAGE - cache.peek(version, prompt)
+            (match,), fresh = cache.acquire(version, [prompt], n_fresh, lease=lease)
+            cache.insert(version, seq, np.concatenate([match.pages, fresh]))
+            cache.release(lease)
+    return cache
+
+
+def run_ours_units(trace, group=8):
+    """As RolloutEngine admits a unit of `group` samples of one prompt: one peek + acquire
+    for the unit (shared prompt pages + each row's own), rows share the prompt pages
+    (pool.incref), the prompt is inserted after its prefill, then per sample: insert of
+    prompt + output and release of the row's pages. Still one match + one insert counted
+    per sample."""
+    cache = RadixCache(8192, PAGE)
+    for version in VERSIONS:
+        for u in range(0, len(trace), group):
+            prompt = trace[u][0]
+            shared = len(prompt) // PAGE - cache.peek(version, prompt)
+            own = len(trace[u][1]) // PAGE - len(prompt) // PAGE
+            (match,), fresh = cache.acquire(version, [prompt], shared + group * own)
+            prefix = np.concatenate([match.pages, fresh[:shared]])
+            for _ in range(group - 1):
+                cache.pool.incref(prefix)
+            cache.insert(version, prompt, prefix)
+            for j, (_, seq) in enumerate(trace[u:u + group]):
+                row = np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]])
+                cache.insert(version, seq, row)
+                cache.release(row)
+    return cache
+
+
+# ------------------------------------------------------------------ sglang-jax, loaded live
+def sglang_jax_radix():
+    """sglang-jax's radix_cache module from SGLANG_JAX_SRC, or None if not given/found."""
+    root = os.environ.get("SGLANG_JAX_SRC")
+    if not root:
+        return None
+    root = pathlib.Path(root)
+    src = next((d / "sgl_jax/srt/mem_cache" for d in (root / "python", root)
+                if (d / "sgl_jax/srt/mem_cache/radix_cache.py").is_file()), None)
+    if src is None:
+        return None
+    if "sgl_jax.srt.mem_cache.radix_cache" in sys.modules:
+        return sys.modules["sgl_jax.srt.mem_cache.radix_cache"]
+    for name in ("sgl_jax", "sgl_jax.srt", "sgl_jax.srt.mem_cache"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    stubs = {"sgl_jax.srt.mem_cache.allocator": "BaseTokenToKVPoolAllocator",
+             "sgl_jax.srt.mem_cache.memory_pool": "ReqToTokenPool"}
+    for name, cls in stubs.items():  # only type annotations in radix_cache
+        module = types.ModuleType(name)
+        setattr(module, cls, type(cls, (), {}))
+        sys.modules.setdefault(name, module)
+    for name in ("base_prefix_cache", "radix_cache"):
+        full = f"sgl_jax.srt.mem_cache.{name}"
+        spec = importlib.util.spec_from_file_location(full, src / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sgl_jax.srt.mem_cache.radix_cache"]
+
+
+def run_theirs(rc, trace):
+    """sglang-jax's scheduler calls: match_prefix + inc_lock_ref at admission, insert of the
+    finished sequence + dec_lock_ref (cache_finished_req); version as the extra_key
+    namespace; fresh KV slots from a bump counter (their allocator is not in the module)."""
+    base = sys.modules["sgl_jax.srt.mem_cache.base_prefix_cache"]
+    cache = rc.RadixCache(None, None, page_size=PAGE)
+    next_slot = 0
+    for version in VERSIONS:
+        extra = f"v{version}"
+        for prompt, seq in trace:
+            m = cache.match_prefix(base.MatchPrefixParams(key=rc.RadixKey(list(prompt), extra)))
+            cache.inc_lock_ref(m.last_device_node)
+            n_new = len(seq) // PAGE * PAGE - len(m.device_indices)
+            value = np.concatenate([m.device_indices,
+                                    np.arange(next_slot, next_slot + n_new, dtype=np.int32)])
+            next_slot += n_new
+            cache.insert(base.InsertParams(key=rc.RadixKey(list(seq), extra), value=value))
+            cache.dec_lock_ref(m.last_device_node)
+    return cache
+
+
+# ------------------------------------------------------------------ pytest-benchmark
 def test_grpo_match_insert(benchmark):
-    prompts, group = grpo_trace()
-    stats = benchmark(run_trace, prompts, group)
-    ops = 2 * len(prompts) * group  # one match + one insert per sample
-    benchmark.extra_info["ops_per_s"] = ops / benchmark.stats.stats.mean
+    trace = grpo_trace()
+    cache = benchmark(run_ours, trace)
+    benchmark.extra_info["ops_per_s"] = trace_ops(trace) / benchmark.stats.stats.mean
+    stats = cache.stats()
     benchmark.extra_info["hit_rate"] = stats.hit_rate
-    # first sample of each prompt hits the system prefix only, the other 7 the whole prompt
-    assert stats.hit_rate > 0.85
+    # per version: the first sample of each prompt but the first hits the system prefix,
+    # the other 7 the whole prompt; every sample's own 4 output pages are new
+    assert stats.lookups == len(trace) * len(VERSIONS)
+    assert stats.hit_rate == pytest.approx((63 * 256 + 64 * 7 * 512) / (512 * 512))
+    cache.check_invariants()
+    assert stats.cached_pages_by_version == {v: 16 + 64 * 16 + 512 * 4 for v in VERSIONS}
+
+
+def test_grpo_match_insert_engine_units(benchmark):
+    trace = grpo_trace()
+    cache = benchmark(run_ours_units, trace)
+    benchmark.extra_info["ops_per_s"] = trace_ops(trace) / benchmark.stats.stats.mean
+    cache.check_invariants()
+    assert cache.stats().cached_pages_by_version == {v: 16 + 64 * 16 + 512 * 4 for v in VERSIONS}
+    assert cache.pool.num_free + cache.stats().cached_pages == cache.pool.num_pages - 1
+
+
+def test_grpo_match_insert_sglang_jax(benchmark):
+    rc = sglang_jax_radix()
+    if rc is None:
+        pytest.skip("set SGLANG_JAX_SRC to a sglang-jax checkout to compare")
+    trace = grpo_trace()
+    cache = benchmark(run_theirs, rc, trace)
+    benchmark.extra_info["ops_per_s"] = trace_ops(trace) / benchmark.stats.stats.mean
+    assert cache.total_size() == len(VERSIONS) * (16 + 64 * 16 + 512 * 4) * PAGE
 
 
 def test_invalidate_2048_pages(benchmark):
@@ -50,3 +186,58 @@ def test_invalidate_2048_pages(benchmark):
                                  rounds=30)
     assert dropped == 2048
     benchmark.extra_info["ms"] = benchmark.stats.stats.mean * 1e3
+
+
+# ------------------------------------------------------------------ script
+def _best_of(runs, rounds):
+    """{name: best CPU seconds}, the runs interleaved so load shifts hit all alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t0 = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import platform
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures here")
+    args = parser.parse_args(argv)
+    trace, ops = grpo_trace(), trace_ops(grpo_trace())
+    rc = sglang_jax_radix()
+    runs = {"ours": lambda: run_ours(trace), "ours_units": lambda: run_ours_units(trace)}
+    if rc is not None:
+        runs["theirs"] = lambda: run_theirs(rc, trace)
+    best = _best_of(runs, args.rounds)
+    ours, units = ops / best["ours"], ops / best["ours_units"]
+    theirs = ops / best["theirs"] if rc else None
+    print(f"GRPO trace, {ops} ops (match + insert), best of {args.rounds} interleaved rounds")
+    print(f"  jaxrl_cache, per sample      : {ours:9.0f} ops/s")
+    print(f"  jaxrl_cache, engine units    : {units:9.0f} ops/s  (one match per prompt group)")
+    if theirs is None:
+        print("  sglang-jax RadixCache        : skipped (set SGLANG_JAX_SRC)")
+    else:
+        print(f"  sglang-jax, per sample       : {theirs:9.0f} ops/s")
+        print(f"  ratio per sample             : {ours / theirs:.2f}x")
+        print(f"  ratio engine units           : {units / theirs:.2f}x")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(dict(
+            date=time.strftime("%Y-%m-%d", time.gmtime()),
+            machine=f"{os.cpu_count()}-core {platform.processor() or platform.machine()} "
+                    f"(CPU), Python {platform.python_version()}",
+            command="SGLANG_JAX_SRC=<sglang-jax checkout> python -m benchmarks.test_bench_radix",
+            trace=dict(prompts=64, group=8, prompt_tokens=512, shared_prefix_tokens=256,
+                       output_tokens=64, page_size=PAGE, versions=len(VERSIONS), ops=ops),
+            ours_ops_per_s=ours, ours_engine_units_ops_per_s=units, sglang_jax_ops_per_s=theirs,
+            ratio=ours / theirs if theirs else None,
+            ratio_engine_units=units / theirs if theirs else None), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -172,7 +172,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 6))
     def evict(self, n):
-        before = self.cache.stats().cached_pages
+        before = self.cache.num_evictable  # checked against a tree walk by accounting()
         assert self.cache.evict(n) == min(n, before)
 
     @rule(version=st.integers(0, 4))
@@ -248,4 +248,26 @@ def test_token_arguments_are_checked():
         with pytest.raises(error, match="tokens"):
             cache.match(0, bad)
     assert cache.stats().lookups == 1
+    cache.check_invariants()
+
+
+def test_pages_inserted_past_a_duplicate_prefix_block_its_eviction():
+    """Two requests prefill the same 3-page prefix concurrently; the second's insert hangs
+    its 4th page below the first's copy, which it does not hold. Until that page is
+    released, the prefix above it is cached but not evictable: alloc must refuse cleanly."""
+    cache = RadixCache(8, PS)  # 7 usable pages
+    p0, p1 = toks([7] * 4, [8] * 4, [1] * 5), toks([7] * 4, [8] * 4, [1] * 4, [2] * 4)
+    held0, held1 = cache.alloc(3), cache.alloc(4)  # both matched nothing, both prefill
+    assert cache.insert(0, p0, held0) == 3
+    assert cache.insert(0, p1, held1) == 1  # its first 3 pages are duplicates
+    cache.release(held0)
+    assert cache.stats().cached_pages == 3 and cache.num_evictable == 0
+    cache.check_invariants()
+    before = cache.pool.refcount.copy()
+    with pytest.raises(CacheFullError):
+        cache.alloc(1)
+    np.testing.assert_array_equal(cache.pool.refcount, before)
+    cache.release(held1)  # its 3 duplicates are freed, its 4th page stays cached
+    assert cache.num_evictable == 4 and cache.available_pages == 7
+    assert cache.alloc(7).size == 7
     cache.check_invariants()

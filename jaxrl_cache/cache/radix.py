@@ -7,8 +7,10 @@ version v walks only v's trie, so it can never return a page written under anoth
 Ownership: the trie holds one reference to each of its pages, every request one reference to
 each page it uses. A trie page with refcount 1 is "cached" (evictable); a page with refcount 0
 is free; every other page is "in use". Always: free + cached + in use == num_pages - 1.
-A request pins the whole path it matched and inserts only below pages it holds, so a pinned
-node's ancestors are pinned too and every cached page can be evicted leaf-first.
+A request pins the whole path it matched. `insert` may hang a request's pages below cached
+nodes the request does not hold (it continues past a duplicate prefix); such an ancestor
+cannot be evicted while a page below it is pinned, so `num_evictable` (what `alloc` may
+evict, leaf-first) counts only cached pages with no pinned page below them.
 
 Interrupt safety: every method checks all of its arguments and plans its change first (any
 error is raised with nothing changed), then applies it inside `deferred_signals()`, so a
@@ -19,29 +21,39 @@ same step, so no interrupt can fall between taking a reference and recording who
 """
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
+import functools
 import heapq
 import itertools
+import struct
 from typing import Sequence
 
 import numpy as np
 
-from jaxrl_cache.cache.page_pool import PagePool, as_page_ids
+from jaxrl_cache.cache.page_pool import PagePool, as_page_ids, as_page_list
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.versioning import as_version
 
 
+@functools.lru_cache(maxsize=4096)
+def _pages_format(n: int, size: int) -> struct.Struct:
+    """Splits the first n * size bytes into n bytes objects of `size` in one C call."""
+    return struct.Struct(f"{size}s" * n)
+
+
 class _Node:
     __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
 
-    def __init__(self, chunk, page, parent, version):
+    def __init__(self, chunk, page, parent, version, last_access):
         self.chunk = chunk  # page key: int32 bytes of its page_size tokens (None at a root)
         self.page = page  # physical page id (0 at a root)
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
-        self.last_access = 0
+        self.last_access = last_access
         self.version = version
 
 
@@ -97,10 +109,18 @@ class RadixCache:
     def __init__(self, num_pages: int, page_size: int):
         self.page_size = as_count(page_size, "page_size", minimum=1)
         self.pool = PagePool(num_pages)
-        self._in_trie = np.zeros(self.pool.num_pages, bool)  # [P]
+        # [P] bool and [P] int32 (trie parent page, 0 under a root), each also as a Python
+        # buffer over the same memory for the per-request path (see PagePool._ref)
+        self._trie = bytearray(self.pool.num_pages)
+        self._in_trie = np.frombuffer(self._trie, bool)
+        self._parents = array.array("i", bytes(4 * self.pool.num_pages))
+        self._parent = np.frombuffer(self._parents, np.int32)
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
         self._clock = itertools.count(1)
+        self._last_keys: tuple = (None, ())  # (tuple of tokens, its page_keys): peek, acquire
+        self._trie_epoch = 0  # bumped by every change of any trie's nodes
+        self._last_walk: tuple = (None, 0, -1, [])  # (chunks, version, epoch, path)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -117,7 +137,20 @@ class RadixCache:
 
     @property
     def num_evictable(self) -> int:
-        return int((self._in_trie & (self.pool.refcount == 1)).sum())
+        """Cached pages eviction can free now."""
+        return int(self._evictable().sum())
+
+    def _evictable(self) -> np.ndarray:
+        """bool [P]: cached pages (trie only) with no pinned page below them. A pinned page
+        sits under a cached one only where `insert` continued past a duplicate prefix."""
+        cached = self._in_trie & (self.pool.refcount == 1)
+        up = self._parent[self._in_trie & (self.pool.refcount > 1)]
+        up = up[cached[up]]
+        while up.size:  # climb through cached ancestors; a pinned one has its own entry
+            cached[up] = False
+            up = self._parent[up]
+            up = up[cached[up]]
+        return cached
 
     def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
@@ -130,7 +163,8 @@ class RadixCache:
         pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
         raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
         version = as_version(version)
-        if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence):
+        if type(prefixes) not in (list, tuple) and (
+                isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
         chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
@@ -142,30 +176,31 @@ class RadixCache:
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
         paths = [self._walk(version, chunks) for chunks in chunked]
-        newly_pinned = {node.page for path in paths for node in path
-                        if self.pool.refcount[node.page] == 1}
-        available = self.pool.num_free + self.num_evictable - len(newly_pinned)
-        if n_fresh > available:
-            raise CacheFullError(
-                f"need {n_fresh} KV pages but only {available} can be made available "
-                f"({self.pool.num_free} free + {self.num_evictable - len(newly_pinned)} "
-                f"evictable cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
-                f"smaller batch.")
-        matched = [np.fromiter((node.page for node in path), np.int32, len(path))
-                   for path in paths]
+        ids = [[node.page for node in path] for path in paths]
+        matched = [np.array(pages, np.int32) for pages in ids]
+        if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
+            pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
+            evictable = self._evictable()
+            evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
+            if n_fresh > self.pool.num_free + evictable:
+                raise CacheFullError(
+                    f"need {n_fresh} KV pages but only {self.pool.num_free + evictable} can be "
+                    f"made available ({self.pool.num_free} free + {evictable} evictable "
+                    f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
+                    f"smaller batch.")
         with deferred_signals():
-            now = next(self._clock)
-            for path in paths:
+            now, ref = next(self._clock), self.pool._ref
+            for path, pages in zip(paths, ids):
                 for node in path:
                     node.last_access = now
-            if matched:
-                self.pool.incref(np.concatenate(matched))
-            if n_fresh > self.pool.num_free:
-                self._evict(n_fresh - self.pool.num_free)
-            fresh = self.pool.take(n_fresh)
+                for page in pages:
+                    ref[page] += 1
+            if n_fresh > self.pool._num_free:
+                self._evict(n_fresh - self.pool._num_free)
+            fresh = self.pool._take(n_fresh)
             self._counters["lookups"] += len(chunked)
             self._counters["lookup_tokens"] += sum(lookup_tokens)
-            self._counters["hit_tokens"] += sum(m.size for m in matched) * self.page_size
+            self._counters["hit_tokens"] += sum(map(len, paths)) * self.page_size
             if lease is not None:
                 lease._parts = lease._parts + tuple(matched) + (fresh,)
         return [Match(m, int(m.size) * self.page_size) for m in matched], fresh
@@ -174,14 +209,18 @@ class RadixCache:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
         if isinstance(pages, Lease):
-            lease, pages = pages, pages.pages
+            lease, pages = pages, [p for part in pages._parts for p in part.tolist()]
         else:
-            lease, pages = None, as_page_ids(pages, self.pool.num_pages)
-        counts = np.bincount(pages, minlength=self.pool.num_pages)
-        if (self.pool.refcount[pages] < counts[pages]).any():
+            lease, pages = None, as_page_list(pages, self.pool.num_pages)
+        ref = self.pool._ref
+        if len(set(pages)) == len(pages):  # the usual case
+            held = not pages or min(map(ref.__getitem__, pages)) >= 1
+        else:
+            held = all(ref[p] >= n for p, n in collections.Counter(pages).items())
+        if not held:
             raise ValueError(f"released pages that were not held: {pages}")
         with deferred_signals():
-            self.pool.decref(pages)
+            self.pool._decref_list(pages)
             if lease is not None:
                 lease._parts = ()
 
@@ -207,15 +246,30 @@ class RadixCache:
                     and self.pool.refcount[parent.page] == 1):
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         pages = np.asarray(evicted, np.int32)
+        self._trie_epoch += 1
         self._in_trie[pages] = False
-        self.pool.decref(pages, distinct=True)
+        self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
         return len(evicted)
 
     # ---------------------------------------------------------------- prefix trie
-    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> list[bytes]:
-        """Hashable key of each full page of `tokens`: its int32 bytes, built in one numpy
-        pass (no per-token Python work). Token ids must be integers in [0, 2**31)."""
+    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> tuple[bytes, ...]:
+        """Hashable key of each full page of `tokens`: its int32 bytes, built in one C-level
+        pass (no per-token Python work). Token ids must be integers in [0, 2**31) (a
+        sequence of bools is refused, as numpy types it bool)."""
+        if type(tokens) is tuple and tokens is self._last_keys[0]:
+            return self._last_keys[1]  # immutable and still referenced: same tokens
+        if (type(tokens) in (list, tuple) and tokens
+                and not isinstance(tokens[0], (bool, np.bool_))):
+            try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
+                data = struct.pack(f"<{len(tokens)}I", *tokens)
+            except Exception:  # the numpy path below names what is wrong
+                data = b"\xff" * 4
+            if data[3::4].isascii():
+                keys = self._split_pages(data)
+                if type(tokens) is tuple:
+                    self._last_keys = (tokens, keys)
+                return keys
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
@@ -225,18 +279,30 @@ class RadixCache:
                             f"{tokens!r:.80}")
         if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
             raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
-        data = arr.astype(np.int32).tobytes()
-        step = 4 * self.page_size
-        return [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
+        return self._split_pages(arr.astype("<i4").tobytes())
 
-    def _walk(self, version: int, chunks: list[bytes]) -> list[_Node]:
-        """The nodes of the longest cached prefix of `chunks` under `version` (no change)."""
-        node, path = self._roots.get(version), []
-        for chunk in chunks if node is not None else ():
+    def _split_pages(self, data: bytes) -> tuple[bytes, ...]:
+        return _pages_format(len(data) // (4 * self.page_size), 4 * self.page_size).unpack_from(
+            data)
+
+    def _walk(self, version: int, chunks: tuple[bytes, ...]) -> list[_Node]:
+        """The nodes of the longest cached prefix of `chunks` under `version` (no change).
+        While the trie is unchanged the last walk is reused (peek then acquire) or continued
+        (acquire of a prompt, then insert of prompt + output)."""
+        last, path = self._last_walk, []
+        if last[1] == version and last[2] == self._trie_epoch:
+            if last[0] is chunks:
+                return last[3]
+            done = len(last[0])  # the last walk's keys, all cached, prefix these: go on
+            if len(last[3]) == done and chunks[:done] == last[0]:
+                path = list(last[3])
+        node = path[-1] if path else self._roots.get(version)
+        for chunk in chunks[len(path):] if node is not None else ():
             node = node.children.get(chunk)
             if node is None:
                 break
             path.append(node)
+        self._last_walk = (chunks, version, self._trie_epoch, path)
         return path
 
     def match(self, version: int, tokens: Sequence[int], *,
@@ -257,46 +323,40 @@ class RadixCache:
         """
         version = as_version(version)
         chunks = self.page_keys(tokens)
-        pages = as_page_ids(pages, self.pool.num_pages)
-        if pages.shape[0] < len(chunks):
-            raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
-        pages = pages[:len(chunks)]
-        if (self.pool.refcount[pages] < 1).any():
+        pages = as_page_list(pages, self.pool.num_pages)
+        if len(pages) < len(chunks):
+            raise ValueError(f"{len(chunks)} full pages of tokens but only {len(pages)} pages")
+        del pages[len(chunks):]
+        ref = self.pool._ref
+        if pages and min(map(ref.__getitem__, pages)) < 1:
             raise ValueError(f"insert of pages the caller does not hold: "
-                             f"{pages[self.pool.refcount[pages] < 1]}")
-        # plan: (parent, chunk, page) of each new node, parents possibly planned themselves
-        node = self._roots.get(version)
-        existing, planned = [], []
-        for i, (chunk, page) in enumerate(zip(chunks, pages.tolist())):
-            child = node.children.get(chunk) if node is not None else None
-            if child is None:
-                planned = list(zip(range(i, len(chunks)), chunks[i:], pages[i:].tolist()))
-                break
-            existing.append(child)
-            node = child
-        new_pages = [p for _, _, p in planned]
-        if self._in_trie[new_pages].any() or len(set(new_pages)) < len(new_pages):
+                             f"{[p for p in pages if ref[p] < 1]}")
+        existing = self._walk(version, chunks)
+        new_pages = pages[len(existing):]  # one new node each, below the cached prefix
+        if any(map(self._trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
             raise ValueError(f"pages {new_pages} include one already cached under another "
                              f"prefix or listed twice")
         with deferred_signals():
             if version not in self._roots:
-                self._roots[version] = _Node(None, 0, None, version)
+                self._roots[version] = _Node(None, 0, None, version, 0)
                 self._nodes[version] = {}
             parent = existing[-1] if existing else self._roots[version]
+            nodes, trie, parents = self._nodes[version], self._trie, self._parents
             now = next(self._clock)
             for node in existing:
                 node.last_access = now
-            for _, chunk, page in planned:
-                child = _Node(chunk, page, parent, version)
-                child.last_access = now
+            for chunk, page in zip(chunks[len(existing):], new_pages):
+                child = _Node(chunk, page, parent, version, now)
                 parent.children[chunk] = child
-                self._nodes[version][page] = child
+                nodes[page] = child
+                trie[page] = 1
+                parents[page] = parent.page
+                ref[page] += 1
                 parent = child
-            taken = np.asarray(new_pages, np.int32)
-            self._in_trie[taken] = True
-            self.pool.incref(taken)
-            self._counters["inserted_pages"] += taken.size
-        return int(taken.size)
+            if new_pages:
+                self._counters["inserted_pages"] += len(new_pages)
+                self._trie_epoch += 1
+        return len(new_pages)
 
     def invalidate_before(self, version: int) -> int:
         """Drops every entry of versions < `version` and frees their pages; returns how many.
@@ -321,10 +381,11 @@ class RadixCache:
                 f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
         with deferred_signals():
+            self._trie_epoch += 1
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
-            self.pool.decref(pages, distinct=True)
+            self.pool._decref(pages, 1)
             self._counters["invalidated_pages"] += int(pages.size)
             self._counters["invalidations"] += 1
         return int(pages.size)
@@ -334,6 +395,7 @@ class RadixCache:
         `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, every
         other page free). Repairs whatever an interrupted caller left behind."""
         with deferred_signals():
+            self._trie_epoch += 1
             for v in [v for v in self._roots if v != keep_version]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
@@ -374,6 +436,12 @@ class RadixCache:
                 assert page not in seen, f"page {page} in the trie twice"
                 seen.add(page)
                 assert ref[page] >= 1 and self._in_trie[page]
-                if ref[page] > 1 and node.parent.chunk is not None:
-                    assert ref[node.parent.page] > 1, "pinned page under an unpinned parent"
+                assert self._parent[page] == node.parent.page, "parent index out of date"
         assert seen == set(np.flatnonzero(self._in_trie).tolist())
+
+        def evictable(node) -> tuple[int, bool]:  # (evictable pages in subtree, all cached)
+            below = [evictable(c) for c in node.children.values()]
+            free_below = all(ok for _, ok in below) and ref[node.page] == 1
+            return sum(n for n, _ in below) + free_below, free_below
+        assert self.num_evictable == sum(
+            sum(evictable(c)[0] for c in root.children.values()) for root in self._roots.values())
