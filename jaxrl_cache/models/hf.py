@@ -212,8 +212,8 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     Reads config.json and model.safetensors (or the shards of model.safetensors.index.json)
     memory-mapped through numpy, each tensor cast once into its stacked leaf of the target
     dtype (default: the checkpoint's). Peak host memory is about the params once plus one
-    leaf and one tensor. Raises ConfigError for unsupported configs, KeyError naming a missing tensor,
-    ValueError naming a tensor of the wrong shape or a tensor the model does not use.
+    leaf and one tensor. Raises ConfigError for unsupported configs, KeyError naming a
+    missing tensor, ValueError naming a tensor of the wrong shape or one the model does not use.
     """
     path = pathlib.Path(path)
     config = config_from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
