@@ -212,8 +212,8 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     Reads config.json and model.safetensors (or the shards of model.safetensors.index.json)
     memory-mapped through numpy, each tensor cast once into its stacked leaf of the target
     dtype (default: the checkpoint's). Peak host memory is about the params once plus one
-    leaf. Raises ConfigError for unsupported configs, KeyError naming a missing tensor,
-    ValueError naming a tensor of the wrong shape or a tensor the model does not use.
+    leaf and one tensor. Raises ConfigError for unsupported configs, KeyError naming a
+    missing tensor, ValueError naming a tensor of the wrong shape or one the model does not use.
     """
     path = pathlib.Path(path)
     config = config_from_hf(json.loads((path / "config.json").read_text()), dtype=dtype)
@@ -233,33 +233,27 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     by_leaf: dict[tuple, list] = {}
     for ours, hf, t in wanted:
         by_leaf.setdefault(ours[:2], []).append((ours, hf, t))
-    handles = {}
     params: dict = {"layers": {}}
-    try:
-        for leaf, items in by_leaf.items():
-            shape = (shapes[leaf[0]] if len(leaf) == 1 else shapes["layers"][leaf[1]]).shape
-            buf = np.empty(shape, np_dtype)
-            for ours, hf, t in items:
-                file = files[hf]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="np").__enter__()
-                tensor = handles[file].get_tensor(hf)
-                tensor = tensor.T if t else tensor
-                dest = buf if len(ours) == 1 else buf[ours[2]]
-                if tensor.shape != dest.shape:
-                    raise ValueError(f"{hf} has shape {list(tensor.shape)} (after transpose: "
-                                     f"{t}); the config needs {list(dest.shape)}")
-                dest[...] = tensor
-                del tensor
-            value = jnp.asarray(buf)
-            del buf
-            if len(leaf) == 1:
-                params[leaf[0]] = value
-            else:
-                params["layers"][leaf[1]] = value
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    for leaf, items in by_leaf.items():
+        shape = (shapes[leaf[0]] if len(leaf) == 1 else shapes["layers"][leaf[1]]).shape
+        buf = np.empty(shape, np_dtype)
+        for ours, hf, t in items:
+            # one open per tensor: its mapped pages are released before the next one
+            with safe_open(files[hf], framework="np") as f:
+                tensor = f.get_tensor(hf)
+            tensor = tensor.T if t else tensor
+            dest = buf if len(ours) == 1 else buf[ours[2]]
+            if tensor.shape != dest.shape:
+                raise ValueError(f"{hf} has shape {list(tensor.shape)} (after transpose: "
+                                 f"{t}); the config needs {list(dest.shape)}")
+            dest[...] = tensor
+            del tensor
+        value = jnp.asarray(buf)
+        del buf
+        if len(leaf) == 1:
+            params[leaf[0]] = value
+        else:
+            params["layers"][leaf[1]] = value
     return config, params
 
 

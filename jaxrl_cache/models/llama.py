@@ -1,4 +1,5 @@
-"""A Llama/Mistral/Qwen2/Qwen3 decoder LM: an nnx Module holds the weights, pure functions compute.
+"""A Llama/Mistral/Qwen2/Qwen3 decoder LM: an nnx Module holds the weights, pure functions
+compute.
 
 RMSNorm, rotary embeddings (Llama "rotate half" layout, optional linear/llama3 scaling), GQA,
 SwiGLU, optional q/k/v and output-projection biases, optional per-head q/k RMSNorm, tied or
