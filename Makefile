@@ -19,6 +19,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python -m pytest benchmarks --benchmark-only
+	$(BIN)/python -m benchmarks.engine_v2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .benchmarks

@@ -1,5 +1,6 @@
-"""Rollout engine on CPU with the demo-family model: GRPO prefix reuse on vs off, paged decode
-vs a plain dense-KV decode loop, and the weight-sync acknowledgement path."""
+"""Rollout engine on CPU with the demo-family model: GRPO prefix reuse on vs off, the
+weight-sync acknowledgement path, a full iteration; `_dense_decode_loop` is the dense-KV
+baseline that benchmarks/engine_v2.py compares the paged decode chunk against."""
 import statistics
 import time
 
@@ -8,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
 from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
-from jaxrl_cache.shapes import bucket
 from jaxrl_cache.rl.train import TrainState, make_batch, train_step
 
 pytestmark = pytest.mark.slow
@@ -90,52 +89,13 @@ def _dense_decode_loop(config, steps):
                 x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
                 new_cache.append((k_all, v_all))
             key, sub = jax.random.split(key)
-            tok, _ = sample_tokens(_logits(params, config, x[:, 0]), sub, 1.0, 1.0, 0)
+            tok, _ = sample_tokens(_logits(params, config, x[:, 0]),
+                                   jax.random.split(sub, tokens.shape[0]), 1.0, 1.0, 0)
             return tuple(new_cache), tok, pos + 1, key, out.at[:, i].set(tok)
 
         out = jnp.zeros((tokens.shape[0], steps), jnp.int32)
         return jax.lax.fori_loop(0, steps, step, (cache, tokens, pos, key, out))[-1]
     return run
-
-
-def test_decode_paged_vs_dense_kv_loop(benchmark):
-    rows, ctx = PROMPTS * GROUP, PROMPT_LEN
-    params = init_params(CONFIG, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    width = bucket(-(-(ctx + NEW) // 16), 8)  # as the engine buckets page tables
-    pool_shape = (rows * width + 1, CONFIG.n_kv_heads, 16, CONFIG.head_dim)
-    pool = tuple(jnp.asarray(rng.standard_normal((CONFIG.n_layers, *pool_shape)), jnp.float32)
-                 for _ in range(2))  # stacked (k, v) [L, P, Hkv, ps, D]
-    table = jnp.asarray(1 + np.arange(rows * width).reshape(rows, width), jnp.int32)
-    logits = jnp.zeros((rows, CONFIG.vocab_size), jnp.float32)
-    group_rows = jnp.arange(rows, dtype=jnp.int32)
-    row_pos = jnp.full((rows,), ctx, jnp.int32)
-    zeros1 = jnp.zeros((1,), jnp.int32)
-    knobs = SAMPLING.as_arrays()
-
-    def paged():
-        nonlocal pool
-        out = rollout_core.decode_loop(params, pool, logits, group_rows, row_pos, table,
-                                       zeros1, zeros1, -jnp.ones((1,), jnp.int32), **knobs,
-                                       key=jax.random.key(0), config=CONFIG, backend="xla",
-                                       max_new_tokens=NEW)
-        pool = out[-1]
-        return jax.block_until_ready(out[0])
-
-    dense = _dense_decode_loop(CONFIG, NEW)
-    cache = tuple((jnp.asarray(rng.standard_normal((rows, ctx + NEW) + pool_shape[1:2]
-                                                   + pool_shape[3:]), jnp.float32),) * 2
-                  for _ in range(CONFIG.n_layers))
-    tokens = jnp.zeros((rows,), jnp.int32)
-    run_dense = lambda: jax.block_until_ready(  # noqa: E731
-        dense(params, cache, tokens, row_pos, jax.random.key(0)))
-    paged(), run_dense()
-    dense_s = _median_seconds(run_dense, 5)
-    benchmark.pedantic(paged, rounds=5)
-    paged_s = benchmark.stats.stats.median
-    benchmark.extra_info.update(
-        paged_tokens_per_s=rows * NEW / paged_s, dense_tokens_per_s=rows * NEW / dense_s,
-        paged_over_dense=dense_s / paged_s)
 
 
 def test_weight_sync_ack_with_2048_cached_pages(benchmark):
