@@ -156,12 +156,21 @@ class TestBadRequests:
             engine.rollout(varied_params(0), 0, prompts, GREEDY, rng=jax.random.key(0))
         assert balanced(engine)
 
-    def test_pool_too_small(self):
+    def test_small_pool_queues_instead_of_refusing(self):
+        """6 pages hold one sample at a time: the scheduler runs them in turn."""
         engine = make_engine(num_pages=6)
+        params = varied_params(0)
+        batch = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+        assert [list(s.output_ids) for s in batch.samples] == [
+            dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS for _ in range(2)]
+        assert balanced(engine)
+
+    def test_a_sample_that_can_never_fit_is_refused_before_work(self):
+        engine = make_engine(num_pages=3)  # 2 usable pages of 8 tokens
         params = varied_params(0)
         with pytest.raises(CacheFullError, match="KV pages"):
             engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
-        assert balanced(engine)
+        assert balanced(engine) and engine.cache_stats().lookups == 0
         small = SamplingParams(n=1, max_new_tokens=2, temperature=0.0)
         assert engine.rollout(params, 0, [[1, 2, 3]], small, rng=jax.random.key(0)).samples
 
@@ -171,19 +180,19 @@ def test_exception_mid_rollout_releases_everything(monkeypatch, after_donation):
     params = varied_params(0)
     engine = make_engine()
     engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
-    real = rollout_core.decode_loop
+    real = rollout_core.decode_chunk
 
     def broken(*args, **kwargs):
         if after_donation:
             jax.block_until_ready(real(*args, **kwargs))  # consumes the donated pool
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(rollout_core, "decode_loop", broken)
+    monkeypatch.setattr(rollout_core, "decode_chunk", broken)
     with pytest.raises(RuntimeError, match="injected"):
         engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert balanced(engine)
     assert not engine._lock.locked()
-    monkeypatch.setattr(rollout_core, "decode_loop", real)
+    monkeypatch.setattr(rollout_core, "decode_chunk", real)
     batch = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == [
         dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS]
@@ -195,9 +204,9 @@ def test_new_versions_and_params_never_recompile():
     prompts = [list(range(1, 12)), list(range(2, 11))]
     engine.rollout(varied_params(0), 0, prompts, SamplingParams(n=2, max_new_tokens=4),
                    rng=jax.random.key(0))
-    sizes = (rollout_core.prefill_step._cache_size(), rollout_core.decode_loop._cache_size())
+    sizes = (rollout_core.prefill_step._cache_size(), rollout_core.decode_chunk._cache_size())
     for v in range(1, 4):  # new params, new version, new sampling knobs: same shapes
         sp = SamplingParams(n=2, max_new_tokens=4, temperature=0.5 + 0.1 * v, top_k=v)
         engine.rollout(varied_params(v), v, prompts, sp, rng=jax.random.key(v))
     assert (rollout_core.prefill_step._cache_size(),
-            rollout_core.decode_loop._cache_size()) == sizes
+            rollout_core.decode_chunk._cache_size()) == sizes

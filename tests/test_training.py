@@ -134,7 +134,7 @@ class TestSyncWeights:
             engine.sync_weights(varied_params(1), 1)
         monkeypatch.undo()
         assert engine.version == 0 and engine.cache_stats() == before
-        assert all(a is b for a, b in zip(engine._params_source, jax.tree.leaves(state.params)))
+        assert all(a is b for a, b in zip(engine._weights.source, jax.tree.leaves(state.params)))
         b = engine.rollout(state.params, 0, PROMPTS, SP, rng=jax.random.key(1))
         assert b.cached_tokens > 0  # the old cache is intact and still serves version 0
 
@@ -211,7 +211,7 @@ def test_threads_rollout_while_training(engine, state):
         return wrapper
 
     engine._generate = traced("rollout", engine._generate)
-    engine._sync_locked = traced("sync", engine._sync_locked)
+    engine._commit = traced("sync", engine._commit)
     params_by_version = {0: state.params}
     published = {"params": state.params, "version": 0}
     batches, stop, errors = [], threading.Event(), []

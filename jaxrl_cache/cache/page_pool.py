@@ -52,3 +52,12 @@ class PagePool:
             freed = np.unique(pages[self.refcount[pages] == 0])
         self._free[self._num_free:self._num_free + freed.size] = freed
         self._num_free += freed.size
+
+    def reset(self, held: np.ndarray) -> None:
+        """Sets refcount 1 on held pages (bool [P]) and frees every other page (one commit)."""
+        refcount = held.astype(np.int32)
+        refcount[0] = 0
+        free = np.zeros_like(self._free)
+        idle = np.flatnonzero(refcount[1:] == 0)[::-1].astype(np.int32) + 1
+        free[:idle.size] = idle
+        self.refcount, self._free, self._num_free = refcount, free, int(idle.size)

@@ -27,7 +27,7 @@ class _Node:
     __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
 
     def __init__(self, chunk, page, parent, version):
-        self.chunk = chunk  # tuple of page_size token ids (None at a root)
+        self.chunk = chunk  # page key: int32 bytes of page_size token ids (None at a root)
         self.page = page  # physical page id (0 at a root)
         self.parent = parent
         self.children: dict[tuple, _Node] = {}
@@ -79,6 +79,11 @@ class RadixCache:
 
     # ---------------------------------------------------------------- allocation
     @property
+    def available_pages(self) -> int:
+        """Pages `alloc` can hand out now: free + evictable cached."""
+        return self.pool.num_free + self.num_evictable
+
+    @property
     def num_evictable(self) -> int:
         return int((self._in_trie & (self.pool.refcount == 1)).sum())
 
@@ -127,10 +132,13 @@ class RadixCache:
         del self._nodes[node.version][node.page]
 
     # ---------------------------------------------------------------- prefix trie
-    def _chunks(self, tokens: Sequence[int]):
-        tokens = tuple(int(t) for t in tokens)
+    def page_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """Hashable key of each full page of `tokens` (its int32 bytes), built in one pass:
+        no per-token Python work."""
         ps = self.page_size
-        return [tokens[i:i + ps] for i in range(0, len(tokens) - ps + 1, ps)]
+        data = np.asarray(tokens, np.int32).tobytes()
+        step = 4 * ps
+        return [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
 
     def match(self, version: int, tokens: Sequence[int]) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
@@ -139,7 +147,7 @@ class RadixCache:
         pages = []
         now = next(self._clock)
         if node is not None:
-            for chunk in self._chunks(tokens):
+            for chunk in self.page_keys(tokens):
                 node = node.children.get(chunk)
                 if node is None:
                     break
@@ -156,11 +164,11 @@ class RadixCache:
         """Records the full pages of `tokens` (KV written by `version`) held by the caller.
 
         pages [len(tokens) // page_size] in order. Chunks already cached are left as they
-        are (a duplicate page stays the caller's and is freed on release); insertion stops
-        at the first chunk cached under a different page, since what follows was computed
-        against the caller's copy. Returns how many pages the trie took.
+        are (a duplicate page stays the caller's and is freed on release) and insertion
+        continues below them: the duplicate holds the same tokens' KV under the same version.
+        Returns how many pages the trie took.
         """
-        chunks = self._chunks(tokens)
+        chunks = self.page_keys(tokens)
         pages = np.asarray(pages, np.int32)
         if pages.shape[0] < len(chunks):
             raise ValueError(f"{len(chunks)} full pages of tokens but only {pages.shape[0]} pages")
@@ -180,8 +188,6 @@ class RadixCache:
                 self._nodes[version][page] = child
                 self._in_trie[page] = True
                 taken.append(page)
-            elif child.page != page:
-                break
             child.last_access = now
             node = child
         self.pool.incref(np.asarray(taken, np.int32))
@@ -214,6 +220,16 @@ class RadixCache:
     def clear(self) -> int:
         """Drops every version's entries (used after the KV pool itself was lost)."""
         return self.invalidate_before(max(self._roots, default=-1) + 1)
+
+    def reconcile(self, keep_version: int) -> None:
+        """For a quiescent cache (no request holds a page): drops every namespace but
+        `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, all
+        others free). Repairs whatever an interrupted caller left behind."""
+        for v in [v for v in self._roots if v != keep_version]:
+            for page in self._nodes[v]:
+                self._in_trie[page] = False
+            del self._roots[v], self._nodes[v]
+        self.pool.reset(self._in_trie)
 
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:

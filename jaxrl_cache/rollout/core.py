@@ -1,6 +1,8 @@
-"""Jitted numeric core of the rollout engine: paged prefill and the on-device decode loop.
+"""Jitted numeric core of the rollout engine: packed paged prefill and decode chunks.
 
-Both take params as arguments (a weight update never recompiles) and donate the KV pool.
+Params are arguments (a weight update never recompiles) and the KV pool is donated. Shapes
+depend only on the engine's slot count, the chunk length and the buckets the host picks;
+sampling knobs, max_new_tokens, versions and params are traced values.
 """
 from __future__ import annotations
 
@@ -15,60 +17,72 @@ from jaxrl_cache.rollout.sampling import sample_tokens
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))
 def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
-                 logit_index, *, config: ModelConfig, backend: str):
-    """Shapes as `model.prefill_forward`; returns (last-token logits [S, V], kv_cache')."""
-    return prefill_forward(params, config, kv_cache, tokens, token_seq, token_pos, page_table,
-                           cu_q_lens, kv_lens, logit_index, backend=backend)
+                 logit_slot, copy_src, copy_dst, *, config: ModelConfig, backend: str):
+    """Prefills packed prompt tails, then copies partial prompt pages to sibling rows.
 
-
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens"),
-                   donate_argnames=("kv_cache",))
-def decode_loop(params, kv_cache, group_logits, row_group, row_pos, page_table, copy_src,
-                copy_dst, stop_ids, temperature, top_p, top_k, key, *, config: ModelConfig,
-                backend: str, max_new_tokens: int):
-    """Samples up to max_new_tokens per row entirely on device.
-
-    group_logits f32 [S, V] last prompt-token logits per group; row_group int32 [B] (-1 =
-    padding row); row_pos int32 [B] position of the first generated token (= prompt length);
-    page_table int32 [B, W]; copy_src, copy_dst int32 [C] pages to duplicate first (a group's
-    partial last prompt page into each sample's own page); stop_ids int32 [K] (-1 = none).
-    Returns (tokens int32 [B, M], logprobs f32 [B, M], lengths int32 [B], stopped bool [B],
-    steps int32 [], kv_cache').
+    tokens, token_seq, token_pos int32 [T]; page_table int32 [S, W]; cu_q_lens int32 [S+1];
+    kv_lens int32 [S]; logit_slot int32 [B] packed token whose logits each decode slot starts
+    from; copy_src, copy_dst int32 [B]. Returns (logits f32 [B, V], kv_cache').
     """
-    kv_cache = copy_pages(kv_cache, copy_src, copy_dst)
-    batch, m = row_group.shape[0], max_new_tokens
-    active = row_group >= 0
-    key, sub = jax.random.split(key)
-    tok, logp = sample_tokens(group_logits[jnp.maximum(row_group, 0)], sub, temperature, top_p,
-                              top_k)
-    out_tok = jnp.zeros((batch, m), jnp.int32).at[:, 0].set(jnp.where(active, tok, 0))
-    out_logp = jnp.zeros((batch, m), jnp.float32).at[:, 0].set(jnp.where(active, logp, 0.0))
-    lengths = active.astype(jnp.int32)
-    stopped = active & jnp.isin(tok, stop_ids)
-    done = ~active | stopped | (lengths >= m)
+    logits, kv_cache = prefill_forward(params, config, kv_cache, tokens, token_seq, token_pos,
+                                       page_table, cu_q_lens, kv_lens, logit_slot,
+                                       backend=backend)
+    return logits, copy_pages(kv_cache, copy_src, copy_dst)
+
+
+def row_keys(key, sample_index, emitted):
+    """One PRNG key per row and token: fold_in(fold_in(key, sample), token). A sample's draws
+    depend only on the call's key and its own index, never on scheduling. [B] -> keys [B]."""
+    return jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(key, i), t))(
+        sample_index, emitted)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "steps"),
+                   donate_argnames=("kv_cache",))
+def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
+                 budget, sample_index, emitted, stop_ids, refill_at, temperature, top_p, top_k,
+                 key, *, config: ModelConfig, backend: str, steps: int):
+    """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
+
+    fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,
+    position int32 [B] (see scheduler.DecodeArrays); page_table int32 [B, W]; budget int32 [B]
+    tokens a slot may still emit (0 = empty); sample_index, emitted int32 [B] (PRNG streams);
+    stop_ids int32 [K] (-1 = none); refill_at int32 []: stop early once this many slots have
+    finished in this chunk (the host has samples waiting for slots).
+    Returns (tokens int32 [B, steps], logprobs f32 [B, steps], counts int32 [B],
+    stopped bool [B], steps_run int32 [], kv_cache').
+    """
+    batch = fresh.shape[0]
+    live0 = budget > 0
 
     def cond(state):
-        step, done = state[0], state[6]
-        return (step < m) & ~jnp.all(done)
+        step, done = state[0], state[7]
+        finished_now = jnp.sum(done & live0)
+        return (step < steps) & ~jnp.all(done) & (finished_now < refill_at)
 
     def body(state):
-        step, kv, tok, pos, out_tok, out_logp, done, stopped, lengths, key = state
+        step, kv, last, pos, out_tok, out_logp, counts, done, stopped = state
         live = ~done
-        logits, kv = decode_forward(params, config, kv, tok, jnp.where(live, pos, -1),
+        first = live & fresh & (step == 0)
+        forward = live & ~first
+        logits, kv = decode_forward(params, config, kv, last, jnp.where(forward, pos, -1),
                                     page_table, backend=backend)
-        key, sub = jax.random.split(key)
-        new_tok, new_logp = sample_tokens(logits, sub, temperature, top_p, top_k)
-        out_tok = out_tok.at[:, step].set(jnp.where(live, new_tok, 0))
-        out_logp = out_logp.at[:, step].set(jnp.where(live, new_logp, 0.0))
-        lengths = lengths + live
-        stop_now = live & jnp.isin(new_tok, stop_ids)
+        logits = jnp.where(first[:, None], fresh_logits, logits)
+        keys = row_keys(key, sample_index, emitted + counts)
+        tok, logp = sample_tokens(logits, keys, temperature, top_p, top_k)
+        out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
+        out_logp = out_logp.at[:, step].set(jnp.where(live, logp, 0.0))
+        counts = counts + live
+        stop_now = live & jnp.isin(tok, stop_ids)
         stopped = stopped | stop_now
-        done = done | stop_now | (lengths >= m)
-        return (step + 1, kv, jnp.where(live, new_tok, tok), pos + live, out_tok, out_logp,
-                done, stopped, lengths, key)
+        done = done | stop_now | (counts >= budget)
+        return (step + 1, kv, jnp.where(live, tok, last), pos + forward, out_tok, out_logp,
+                counts, done, stopped)
 
-    state = (jnp.int32(1), kv_cache, tok, row_pos, out_tok, out_logp, done, stopped, lengths,
-             key)
-    step, kv_cache, _, _, out_tok, out_logp, _, stopped, lengths, _ = jax.lax.while_loop(
+    zeros = jnp.zeros((batch, steps), jnp.int32)
+    state = (jnp.int32(0), kv_cache, last_token, position, zeros,
+             jnp.zeros((batch, steps), jnp.float32), jnp.zeros(batch, jnp.int32), ~live0,
+             jnp.zeros(batch, bool))
+    step, kv_cache, _, _, out_tok, out_logp, counts, _, stopped, = jax.lax.while_loop(
         cond, body, state)
-    return out_tok, out_logp, lengths, stopped, step, kv_cache
+    return out_tok, out_logp, counts, stopped, step, kv_cache

@@ -1,55 +1,100 @@
-"""RolloutEngine: the host shell around the jitted prefill/decode core.
+"""RolloutEngine: the host shell around the jitted prefill / decode-chunk core.
 
 One lock serialises `rollout` and `sync_weights`. The policy version is read once, under that
 lock, and every sample of a rollout is stamped with it. Prefix KV is looked up and inserted
 under that version only; a sync to a newer version drops every older entry before it
 acknowledges.
+
+Transactions: engine state (version, resident params) changes in one assignment, after
+everything that can fail. A rollout at a newer version generates under the new version's
+cache namespace and commits the sync only once generation succeeded. Prefix pages enter
+the radix trie only after the prefill that wrote them was dispatched, so a failure can lose
+cache entries but never leave a wrong one. Between calls no request holds a page, so every
+call ends (and starts) by reconciling the pool with the trie: an interrupted call cannot
+leak pages or leave a stale version's entries behind.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import numbers
 import operator
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_cache.rollout import core as rollout_core
-from jaxrl_cache.errors import VersionError
-from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
 from jaxrl_cache.cache import CacheStats, RadixCache
+from jaxrl_cache.errors import CacheFullError, VersionError
+from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
+from jaxrl_cache.rollout import core, scheduler
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, WeightAck
+from jaxrl_cache.rollout.types import (CacheConfig, RolloutBatch, Sample, SchedulerConfig,
+                                       WeightAck)
 from jaxrl_cache.shapes import bucket
 from jaxrl_cache.versioning import as_version
 from kernels_pallas._common import next_power_of_2, resolve_backend
 
 
+class _Weights(NamedTuple):
+    """The engine's committed weights: replaced in one assignment."""
+    version: int
+    params: object  # resident copy on the engine's device (None before the first sync)
+    source: tuple  # the caller's leaves they came from (identity checks)
+
+
 def _same_leaves(tree, leaves) -> bool:
     """True iff `tree`'s leaves are the very objects in `leaves` (held, so ids stay unique)."""
     mine = jax.tree.leaves(tree)
-    return leaves is not None and len(mine) == len(leaves) and all(
-        a is b for a, b in zip(mine, leaves))
+    return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+
+def _check_rng(rng) -> None:
+    if not isinstance(rng, jax.Array):
+        raise TypeError(f"rng must be a jax PRNG key (jax.random.key(seed)), got "
+                        f"{type(rng).__name__}")
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if not ((typed and rng.shape == ()) or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+        raise TypeError(f"rng must be a single PRNG key (jax.random.key(seed)), got "
+                        f"{rng.dtype}{list(rng.shape)}")
 
 
 class RolloutEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig = CacheConfig(), *,
-                 backend: str = "auto", version=0, device=None):
+                 scheduler_config: SchedulerConfig = SchedulerConfig(), backend: str = "auto",
+                 version=0, device=None):
+        if not isinstance(model_config, ModelConfig):
+            raise TypeError(f"model_config must be a ModelConfig, got "
+                            f"{type(model_config).__name__}")
+        if not isinstance(cache_config, CacheConfig):
+            raise TypeError(f"cache_config must be a CacheConfig, got "
+                            f"{type(cache_config).__name__}")
+        if not isinstance(scheduler_config, SchedulerConfig):
+            raise TypeError(f"scheduler_config must be a SchedulerConfig, got "
+                            f"{type(scheduler_config).__name__}")
         self.model_config = model_config
         self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
         self.backend = resolve_backend(backend)
         self.device = device or jax.devices()[0]
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
-        self._version = as_version(version)
-        self._params = None  # resident params of self._version
-        self._params_source = None  # the caller's leaves they came from (identity checks)
+        self._weights = _Weights(as_version(version), None, ())
         self._lock = threading.Lock()
-        self._kv = jax.device_put(init_kv_cache(model_config, cache_config.num_pages,
-                                                cache_config.page_size), self.device)
+        self._kv = self._fresh_pool()
         self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
                                             jax.random.key(0))
+
+    def _fresh_pool(self):
+        return jax.device_put(init_kv_cache(self.model_config, self.cache_config.num_pages,
+                                            self.cache_config.page_size), self.device)
 
     def _cache_key(self, version: int) -> int:
         """The radix namespace of `version`: the version itself (invariant 1). Tests override
@@ -58,42 +103,61 @@ class RolloutEngine:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._weights.version
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, params, version) -> WeightAck:
         """Makes `params` the engine's weights for `version` and acknowledges.
 
-        Waits for any in-flight rollout (same lock). Newer version: params placed on the
-        engine's device and resident, every older prefix entry dropped, then the version is
-        committed. Same version: idempotent (nothing invalidated). Older: VersionError. If
-        anything fails, the previous version, weights and cache stay as they were.
+        Waits for any in-flight rollout (same lock). Newer version: params copied onto the
+        engine's device (never aliasing the caller's buffers), checked finite, resident; every
+        older prefix entry dropped; then the version is committed. Same version: idempotent
+        (nothing invalidated). Older: VersionError. If anything fails, the previous version,
+        weights and cache stay as they were.
         """
         version = as_version(version)
         with self._lock:
-            return self._sync_locked(params, version)
+            try:
+                start = time.perf_counter()
+                staged = self._stage(params, version)
+                if staged is None:  # same version, same params
+                    return WeightAck(version, version, 0, time.perf_counter() - start,
+                                     tuple(self.cache.versions()))
+                return self._commit(staged, start)
+            finally:
+                self._reconcile()
 
-    def _sync_locked(self, params, version: int) -> WeightAck:
-        start = time.perf_counter()
-        previous = self._version
-        if version < previous:
+    def _stage(self, params, version: int) -> _Weights | None:
+        """Validated resident copy of `params` for a newer `version` (nothing committed)."""
+        current = self._weights
+        if version < current.version:
             raise VersionError(f"version {version} is older than the engine's version "
-                               f"{previous}; versions only move forward")
-        if version == previous and self._params is not None:
-            if not _same_leaves(params, self._params_source):
+                               f"{current.version}; versions only move forward")
+        if version == current.version and current.params is not None:
+            if not _same_leaves(params, current.source):
                 raise VersionError(
                     f"version {version} is already synced with different params; a weight "
                     f"change must come with a new version (got {version} again)")
-            return WeightAck(version, previous, 0, time.perf_counter() - start,
-                             tuple(self.cache.versions()))
+            return None
         self._check_params(params)
-        resident = jax.block_until_ready(jax.device_put(params, self.device))
-        invalidated = self.cache.invalidate_before(self._cache_key(version))
-        # commit: nothing below can fail
-        self._params, self._params_source = resident, tuple(jax.tree.leaves(params))
-        self._version = version
-        return WeightAck(version, previous, invalidated, time.perf_counter() - start,
+        resident = jax.device_put(params, self.device, may_alias=False)
+        if not bool(_all_finite(resident)):
+            raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
+                             f"to sync them")
+        return _Weights(version, resident, tuple(jax.tree.leaves(params)))
+
+    def _commit(self, staged: _Weights, start: float) -> WeightAck:
+        previous = self._weights.version
+        # all-or-nothing; if the commit below never happens, _reconcile drops what this
+        # call inserted under the new version, and the cache merely forgot older entries
+        invalidated = self.cache.invalidate_before(self._cache_key(staged.version))
+        self._weights = staged  # the commit: one assignment
+        return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()))
+
+    def _reconcile(self) -> None:
+        """Between calls: only the current version's entries, refcounts = trie references."""
+        self.cache.reconcile(keep_version=self._cache_key(self._weights.version))
 
     def _check_params(self, params) -> None:
         want = jax.tree.structure(self._param_shapes)
@@ -102,48 +166,64 @@ class RolloutEngine:
             raise ValueError(f"params tree does not match the model config: {got} vs {want}")
         for path, a, b in zip(jax.tree_util.tree_leaves_with_path(params),
                               jax.tree.leaves(params), jax.tree.leaves(self._param_shapes)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(f"param {jax.tree_util.keystr(path[0])} is {a.dtype}"
-                                 f"{list(a.shape)}, the model config needs {b.dtype}"
-                                 f"{list(b.shape)}")
+            if getattr(a, "shape", None) != b.shape or getattr(a, "dtype", None) != b.dtype:
+                raise ValueError(f"param {jax.tree_util.keystr(path[0])} is "
+                                 f"{getattr(a, 'dtype', type(a).__name__)}"
+                                 f"{list(getattr(a, 'shape', ()))}, the model config needs "
+                                 f"{b.dtype}{list(b.shape)}")
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, params, version, prompts: Sequence[Sequence[int]],
                 sampling: SamplingParams, *, rng: jax.Array) -> RolloutBatch:
         """Generates sampling.n samples per prompt with the params of `version`.
 
-        A newer version first goes through `sync_weights`; the current version proceeds (its
-        params must be the ones synced); an older one raises VersionError. Bad prompts and a
-        batch the pool cannot hold raise before any work, leaving the engine unchanged.
+        Any number of prompts: the scheduler queues what does not fit the pool or the decode
+        slots. A newer version is synced first, but committed only if generation succeeds;
+        the current version proceeds (its params must be the ones synced); an older one
+        raises VersionError. Bad input, and a single sample that can never fit the pool,
+        raise before any work. Samples come back in prompt order, sample j of prompt g at
+        g * n + j; the same inputs and rng give the same samples.
         """
         version = as_version(version)
-        prompts = self._check_prompts(prompts, sampling)
+        prompts = self._check_request(prompts, sampling, rng)
         with self._lock:
-            ack = None
-            if version > self._version or self._params is None:
-                ack = self._sync_locked(params, version)
-            elif version < self._version:
-                raise VersionError(f"rollout at version {version} but the engine is at "
-                                   f"{self._version}; versions only move forward")
-            elif not _same_leaves(params, self._params_source):
-                raise VersionError(f"params passed for version {version} differ from those "
-                                   f"synced for it; bump the version when weights change")
-            batch = self._generate(self._params, self._version, prompts, sampling, rng)
-            return dataclasses.replace(batch, sync_ack=ack)
+            try:
+                start = time.perf_counter()
+                staged = self._stage(params, version)
+                weights = staged or self._weights
+                if staged is None and version != self._weights.version:
+                    raise VersionError(f"rollout at version {version} but the engine is at "
+                                       f"{self._weights.version}; versions only move forward")
+                batch = self._generate(weights, prompts, sampling, rng, start)
+                ack = None if staged is None else self._commit(staged, start)
+                return dataclasses.replace(batch, sync_ack=ack)
+            finally:
+                self._reconcile()
 
-    def _check_prompts(self, prompts, sampling: SamplingParams) -> list[tuple]:
+    def _check_request(self, prompts, sampling: SamplingParams, rng) -> list[tuple]:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-            raise ValueError("prompts must be a non-empty list of token-id sequences")
+        _check_rng(rng)
         vocab, limit = self.model_config.vocab_size, self.model_config.max_seq_len
+        bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"sampling.stop_token_ids {bad_stops} are outside the vocabulary "
+                             f"[0, {vocab})")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of token-id sequences, got "
+                            f"{type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id sequences")
         out = []
         for i, p in enumerate(prompts):
-            try:
-                p = tuple(operator.index(t) for t in p)
-            except TypeError:
+            if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
                 raise TypeError(f"prompt {i} must be a sequence of integer token ids, got "
-                                f"{p!r:.80}") from None
+                                f"{type(p).__name__}")
+            if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)
+                   for t in p):
+                raise TypeError(f"prompt {i} must be a sequence of integer token ids, got "
+                                f"{p!r:.80}")
+            p = tuple(operator.index(t) for t in p)
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in p if not 0 <= t < vocab]
@@ -153,139 +233,220 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens "
                                  f"{sampling.max_new_tokens} exceeds max_seq_len {limit}")
             out.append(p)
+        ps, usable = self.cache_config.page_size, self.cache_config.num_pages - 1
+        need = max(scheduler.row_pages(len(p), sampling.max_new_tokens, ps) for p in out)
+        if need > usable:
+            raise CacheFullError(
+                f"one sample needs {need} KV pages (longest prompt {max(map(len, out))} + "
+                f"max_new_tokens {sampling.max_new_tokens}, page_size {ps}) but the pool has "
+                f"only {usable}; use a larger CacheConfig.num_pages or shorter requests")
         return out
 
-    def _generate(self, params, version, prompts, sampling: SamplingParams, rng) -> RolloutBatch:
-        start = time.perf_counter()
-        ps = self.cache_config.page_size
-        n_new = sampling.max_new_tokens
-        share = self.cache_config.prefix_cache
-        key_version = self._cache_key(version)
-        # Without sharing, each sample is its own group of one.
-        groups = prompts if share else [p for p in prompts for _ in range(sampling.n)]
-        per_group = sampling.n if share else 1
-        held: list[np.ndarray] = []  # every page reference this call owns
+    # ------------------------------------------------------------------ generation
+    def _generate(self, weights: _Weights, prompts, sampling: SamplingParams, rng,
+                  start: float) -> RolloutBatch:
+        run = _Run(self, weights, prompts, sampling, rng)
         try:
-            matches = [self.cache.match(key_version, p[:-1]) if share else None for p in groups]
-            held.extend(m.pages for m in matches if m is not None)
-            plan = []
-            need = 0
-            for p, m in zip(groups, matches):
-                cached = 0 if m is None else m.num_tokens
-                shared = len(p) // ps  # full prompt pages, shared by the group's samples
-                own = -(-(len(p) + n_new - 1) // ps) - shared  # per sample
-                plan.append((cached, shared, own))
-                need += (shared - cached // ps) + per_group * own
-            fresh = self.cache.alloc(need)  # CacheFullError before any device work
-            held.append(fresh)
-            return self._run(params, version, key_version, groups, matches, plan, fresh,
-                             per_group, sampling, rng, start)
+            samples = run.loop()
         finally:
-            for pages in held:
-                self.cache.release(pages)
-            if any(k.is_deleted() for kv in self._kv for k in kv):
+            run.release_all()
+            if any(x.is_deleted() for x in jax.tree.leaves(self._kv)):
                 # A failure after the pool was donated: its KV is gone, so is every entry.
                 self.cache.clear()
-                self._kv = jax.device_put(init_kv_cache(
-                    self.model_config, self.cache_config.num_pages, ps), self.device)
-
-    def _run(self, params, version, key_version, groups, matches, plan, fresh, per_group,
-             sampling, rng, start) -> RolloutBatch:
-        ps = self.cache_config.page_size
-        cursor = 0
-
-        def take(n):
-            nonlocal cursor
-            cursor += n
-            return fresh[cursor - n:cursor]
-
-        # Page lists: group_pages = cached + newly written full prompt pages (shared);
-        # row_pages[r] = group_pages + this sample's own pages.
-        row_pages, row_group, copies = [], [], []
-        for g, ((cached, shared, own), m) in enumerate(zip(plan, matches)):
-            cached_pages = m.pages if m is not None else np.zeros(0, np.int32)
-            gp = np.concatenate([cached_pages, take(shared - cached // ps)])
-            partial = len(groups[g]) % ps != 0  # then own >= 1 and own[0] holds that page
-            for j in range(per_group):
-                mine = take(own)
-                row_pages.append(np.concatenate([gp, mine]))
-                row_group.append(g)
-                if partial and j == 0:
-                    partial_page = mine[0]  # prefill writes the partial prompt page here
-                elif partial:
-                    copies.append((partial_page, mine[0]))
-        width = bucket(max(len(r) for r in row_pages), 8)
-
-        # ---- paged prefill of each group's uncached prompt tokens (packed)
-        q_lens = [len(p) - c for p, (c, _, _) in zip(groups, plan)]
-        n_seq = next_power_of_2(len(groups))
-        n_tok = next_power_of_2(sum(q_lens))
-        tokens = np.zeros(n_tok, np.int32)
-        token_seq = np.zeros(n_tok, np.int32)
-        token_pos = np.full(n_tok, -1, np.int32)
-        cu = np.zeros(n_seq + 1, np.int32)
-        kv_lens = np.zeros(n_seq, np.int32)
-        table = np.zeros((n_seq, width), np.int32)
-        first_row = 0
-        for g, (p, (cached, _, _)) in enumerate(zip(groups, plan)):
-            lo, hi = cu[g], cu[g] + q_lens[g]
-            tokens[lo:hi] = p[cached:]
-            token_seq[lo:hi] = g
-            token_pos[lo:hi] = np.arange(cached, len(p))
-            cu[g + 1] = hi
-            kv_lens[g] = len(p)
-            table[g, :len(row_pages[first_row])] = row_pages[first_row]
-            first_row += per_group
-        cu[len(groups) + 1:] = cu[len(groups)]
-        logit_index = np.maximum(cu[1:] - 1, 0).astype(np.int32)
-        group_logits, self._kv = rollout_core.prefill_step(
-            params, self._kv, tokens, token_seq, token_pos, table, cu, kv_lens, logit_index,
-            config=self.model_config, backend=self.backend)
-
-        # ---- on-device decode loop for every sample row
-        n_rows = next_power_of_2(len(row_pages))
-        rows_group = np.full(n_rows, -1, np.int32)
-        rows_group[:len(row_group)] = row_group
-        rows_pos = np.zeros(n_rows, np.int32)
-        rows_pos[:len(row_group)] = [len(groups[g]) for g in row_group]
-        rows_table = np.zeros((n_rows, width), np.int32)
-        for r, pages in enumerate(row_pages):
-            rows_table[r, :len(pages)] = pages
-        n_copy = next_power_of_2(max(1, len(copies)))
-        copy_src = np.zeros(n_copy, np.int32)
-        copy_dst = np.zeros(n_copy, np.int32)
-        if copies:
-            copy_src[:len(copies)], copy_dst[:len(copies)] = zip(*copies)
-        stops = np.full(next_power_of_2(max(1, len(sampling.stop_token_ids))), -1, np.int32)
-        stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
-        out_tok, out_logp, lengths, stopped, steps, self._kv = rollout_core.decode_loop(
-            params, self._kv, group_logits, rows_group, rows_pos, rows_table, copy_src,
-            copy_dst, stops, **sampling.as_arrays(), key=rng, config=self.model_config,
-            backend=self.backend, max_new_tokens=sampling.max_new_tokens)
-        out_tok, out_logp, lengths, stopped, steps = jax.device_get(
-            (out_tok, out_logp, lengths, stopped, steps))
-
-        # ---- results, then cache the full pages of prompt + output under `version`
-        samples = []
-        for r, g in enumerate(row_group):
-            n = int(lengths[r])
-            out = tuple(int(t) for t in out_tok[r, :n])
-            seq = groups[g] + out[:-1]  # tokens whose KV was written
-            full = len(seq) // ps
-            if self.cache_config.prefix_cache:
-                self.cache.insert(key_version, seq[:full * ps], row_pages[r][:full])
-            samples.append(Sample(
-                prompt_ids=groups[g], output_ids=out, output_logprobs=out_logp[r, :n].copy(),
-                behavior_version=version, token_versions=np.full(n, version, np.int64),
-                cached_tokens=plan[g][0], finish_reason="stop" if stopped[r] else "length",
-                group=g if self.cache_config.prefix_cache else g // sampling.n))
+                self._kv = self._fresh_pool()
         prompt_tokens = sum(len(s.prompt_ids) for s in samples)
-        computed = int(sum(q_lens))
-        return RolloutBatch(samples=samples, version=version, sampling=sampling,
-                            prefill_tokens=computed, reused_tokens=prompt_tokens - computed,
-                            cached_tokens=sum(c for c, _, _ in plan) * per_group,
-                            decode_steps=int(steps), seconds=time.perf_counter() - start)
+        return RolloutBatch(
+            samples=samples, version=weights.version, sampling=sampling,
+            prefill_tokens=run.computed, reused_tokens=prompt_tokens - run.computed,
+            cached_tokens=sum(s.cached_tokens for s in samples), decode_steps=run.steps,
+            decode_chunks=run.chunks, prefill_launches=run.prefills,
+            seconds=time.perf_counter() - start)
 
     def cache_stats(self) -> CacheStats:
         with self._lock:
             return self.cache.stats()
+
+
+class _Run:
+    """One rollout call's scheduling loop (host state of the call; the engine owns the rest)."""
+
+    def __init__(self, engine: RolloutEngine, weights: _Weights, prompts, sampling, rng):
+        self.engine, self.weights, self.sampling, self.rng = engine, weights, sampling, rng
+        self.cache = engine.cache
+        self.ps = engine.cache_config.page_size
+        self.share = engine.cache_config.prefix_cache
+        self.key = engine._cache_key(weights.version)
+        cfg = engine.scheduler_config
+        self.slots: list = [None] * cfg.max_num_seqs
+        n = sampling.n
+        # Without sharing, each sample is a unit of its own (a baseline).
+        self.waiting = collections.deque((g, j) for g in range(len(prompts)) for j in range(n))
+        self.prompts = prompts
+        self.width = bucket(max(scheduler.row_pages(len(p), sampling.max_new_tokens, self.ps)
+                                for p in prompts), 8)
+        self.finished: dict[int, scheduler.Row] = {}
+        self.computed = self.steps = self.chunks = self.prefills = 0
+        self.stops = np.full(next_power_of_2(max(1, len(sampling.stop_token_ids))), -1,
+                             np.int32)
+        self.stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        self.knobs = sampling.as_arrays()
+        self.fresh_logits = None
+
+    # ---- admission
+    def admit(self) -> list[tuple[scheduler.Unit, list[int]]]:
+        """Admits waiting samples in order while slots and pages allow (one unit per prompt
+        run). Prompt pages of earlier units of this round are shared by later ones."""
+        cfg = self.engine.scheduler_config
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        units, budget, pending = [], cfg.max_prefill_tokens, {}
+        while self.waiting and free:
+            g, j = self.waiting[0]
+            prompt = self.prompts[g]
+            rows = 1
+            if self.share:
+                while (rows < len(free) and rows < len(self.waiting)
+                       and self.waiting[rows][0] == g):
+                    rows += 1
+            unit = self._try_unit(g, j, prompt, rows, pending, budget if units else None)
+            if unit is None:
+                break
+            for _ in range(len(unit.rows)):
+                self.waiting.popleft()
+            taken, free = free[:len(unit.rows)], free[len(unit.rows):]
+            for slot, row in zip(taken, unit.rows):
+                self.slots[slot] = row
+            units.append((unit, taken))
+            budget -= unit.new_tokens
+            if budget <= 0:
+                break
+        return units
+
+    def _try_unit(self, g, j, prompt, rows, pending, budget):
+        """Matches, allocates and lays out a unit of up to `rows` samples (fewer if pages are
+        short); None if not even one fits now or the prefill budget is spent."""
+        cache, ps, n_new = self.cache, self.ps, self.sampling.max_new_tokens
+        matched = self._match(prompt, pending)
+        try:
+            cached = matched.size * ps
+            if budget is not None and len(prompt) - cached > budget:
+                raise CacheFullError("prefill budget")  # admit it in the next round
+            for m in range(rows, 0, -1):
+                shared, own = scheduler.unit_page_need(len(prompt), cached, m, n_new, ps)
+                if shared + m * own <= cache.available_pages:
+                    break
+            else:
+                raise CacheFullError("no pages now")  # wait for running rows to retire
+            fresh = cache.alloc(shared + m * own)
+        except CacheFullError:
+            cache.release(matched)
+            return None
+        unit = scheduler.layout_unit(g, prompt, g * self.sampling.n + j, matched, fresh, m,
+                                     n_new, ps)
+        # every row holds one reference to each of its prefix pages
+        prefix = unit.rows[0].pages[:len(prompt) // ps]
+        for _ in range(m - 1):
+            cache.pool.incref(prefix)
+        if self.share:
+            self._remember(pending, prompt, prefix)
+        return unit
+
+    def _match(self, prompt, pending) -> np.ndarray:
+        """Pinned pages of the longest cached prefix of prompt[:-1]: the trie, then pages
+        prefilled by earlier units of this round (pending, not yet in the trie)."""
+        if not self.share:
+            return np.zeros(0, np.int32)
+        hit = self.cache.match(self.key, prompt[:-1])
+        keys = self.cache.page_keys(prompt[:-1])
+        node, extra = pending, []
+        for i, key in enumerate(keys):
+            entry = node.get(key)
+            if entry is None:
+                break
+            page, node = entry
+            if i >= hit.pages.size:
+                extra.append(page)
+        extra = np.asarray(extra, np.int32)
+        self.cache.pool.incref(extra)
+        return np.concatenate([hit.pages, extra]).astype(np.int32)
+
+    def _remember(self, pending, prompt, pages) -> None:
+        node = pending
+        for key, page in zip(self.cache.page_keys(prompt), pages.tolist()):
+            node = node.setdefault(key, (page, {}))[1]
+
+    # ---- device work
+    def prefill(self, units) -> None:
+        engine = self.engine
+        cfg = engine.scheduler_config
+        total = sum(u.new_tokens for u, _ in units)
+        arrays = scheduler.pack_prefill(units, max(16, next_power_of_2(total)),
+                                        next_power_of_2(len(units)), self.width,
+                                        cfg.max_num_seqs, self.ps)
+        self.fresh_logits, engine._kv = core.prefill_step(
+            self.weights.params, engine._kv, *dataclasses.astuple(arrays),
+            config=engine.model_config, backend=engine.backend)
+        self.computed += total
+        self.prefills += 1
+        if self.share:  # the prefill is dispatched: its prompt pages may be shared
+            for unit, _ in units:
+                full = len(unit.prompt) // self.ps
+                self.cache.insert(self.key, unit.prompt[:full * self.ps],
+                                  unit.rows[0].pages[:full])
+
+    def decode(self) -> None:
+        engine = self.engine
+        cfg = engine.scheduler_config
+        arrays = scheduler.pack_decode(self.slots, self.width, self.sampling.max_new_tokens)
+        refill_at = cfg.max_num_seqs + 1
+        if self.waiting:
+            refill_at = max(1, min(len(self.waiting), cfg.max_num_seqs // 4))
+        if self.fresh_logits is None:
+            self.fresh_logits = jnp.zeros((cfg.max_num_seqs, engine.model_config.vocab_size),
+                                          jnp.float32)
+        out = core.decode_chunk(
+            self.weights.params, engine._kv, self.fresh_logits, arrays.fresh,
+            arrays.last_token, arrays.position, arrays.page_table, arrays.budget,
+            arrays.sample_index, arrays.emitted, self.stops, np.int32(refill_at),
+            **self.knobs, key=self.rng, config=engine.model_config, backend=engine.backend,
+            steps=cfg.chunk_steps)
+        *host, engine._kv = out
+        tokens, logprobs, counts, stopped, steps = jax.device_get(host)
+        self.steps += int(steps)
+        self.chunks += 1
+        for i in scheduler.apply_chunk(self.slots, tokens, logprobs, counts, stopped,
+                                       self.sampling.max_new_tokens):
+            self.retire(i)
+
+    def retire(self, slot: int) -> None:
+        """Caches the row's full pages under the call's version, then drops its references."""
+        row = self.slots[slot]
+        if self.share:
+            seq = scheduler.written_tokens(row)
+            full = len(seq) // self.ps
+            self.cache.insert(self.key, seq[:full * self.ps], row.pages[:full])
+        self.slots[slot] = None
+        self.finished[row.index] = row
+        self.cache.release(row.pages)
+
+    def loop(self) -> list[Sample]:
+        while self.waiting or any(r is not None for r in self.slots):
+            units = self.admit()
+            if units:
+                self.prefill(units)
+            elif all(r is None for r in self.slots):
+                raise AssertionError("scheduler made no progress")  # the pre-check forbids it
+            self.decode()
+        v, n = self.weights.version, self.sampling.n
+        return [Sample(prompt_ids=r.prompt, output_ids=tuple(r.tokens),
+                       output_logprobs=np.asarray(r.logprobs, np.float32),
+                       behavior_version=v, token_versions=np.full(len(r.tokens), v, np.int64),
+                       cached_tokens=r.cached_tokens, finish_reason=r.finish_reason,
+                       group=r.group)
+                for r in (self.finished[i] for i in range(len(self.prompts) * n))]
+
+    def release_all(self) -> None:
+        """On the way out (success or failure): drop every reference a running row holds."""
+        for i, row in enumerate(self.slots):
+            if row is not None:
+                self.slots[i] = None
+                self.cache.release(row.pages)

@@ -42,32 +42,57 @@ class SamplingParams:
                     top_k=jnp.int32(self.top_k))
 
 
+TOP_K_CAP = 256  # top_k up to this uses lax.top_k; larger k falls back to a full sort
+
+
+def _nucleus_threshold(sorted_desc, top_p):
+    """sorted_desc f32 [..., K] (descending, -inf = excluded) -> the smallest kept value [..., 1]
+    of the top-p nucleus over the renormalised set: tokens whose preceding mass is < top_p."""
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
+    return jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+
+
+def _filtered(scaled, top_p, top_k, sorted_desc):
+    """Top-k first, then top-p over the renormalised top-k set (the transformers / vLLM
+    convention). sorted_desc [..., K]: the K largest of `scaled`, descending, K >= top_k."""
+    k = sorted_desc.shape[-1]
+    k_eff = jnp.where(top_k > 0, jnp.minimum(top_k, k), k)
+    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k_eff - 1, scaled.shape[:-1])[..., None],
+                              axis=-1)
+    in_top_k = jnp.arange(k) < k_eff
+    threshold = _nucleus_threshold(jnp.where(in_top_k, sorted_desc, -jnp.inf), top_p)
+    keep = (scaled >= kth) & (scaled >= threshold)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
 def behavior_log_probs(logits, temperature, top_p, top_k):
     """logits f32 [..., V] -> log-probs [..., V] of the sampling distribution (see module doc).
 
-    temperature, top_p f32 scalars; top_k int32 scalar (0 = off).
+    temperature, top_p f32 scalars; top_k int32 scalar (0 = off). Only the branch the knobs
+    select runs: plain log-softmax without filtering (no sort), `lax.top_k` for
+    0 < top_k <= TOP_K_CAP, a full sort for top-p alone or a larger top_k.
     """
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
     vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where((top_k > 0) & ~greedy, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, scaled.shape[:-1])[..., None],
-                              axis=-1)
-    keep = scaled >= kth
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    # nucleus: keep tokens whose preceding cumulative mass is < top_p
-    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    n_nucleus = jnp.sum(before < top_p, axis=-1, keepdims=True)
-    n_nucleus = jnp.where(greedy | (top_p >= 1.0), vocab, n_nucleus)
-    nucleus_min = jnp.take_along_axis(sorted_desc, n_nucleus - 1, axis=-1)
-    keep = keep & (scaled >= nucleus_min)
-    return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    cap = min(TOP_K_CAP, vocab)
+    use_k = (top_k > 0) & ~greedy
+    use_p = (top_p < 1.0) & ~greedy
+    branch = jnp.where(~use_k & ~use_p, 0, jnp.where(use_k & (top_k <= cap), 1, 2))
+    filtered = jax.lax.switch(branch, [
+        lambda s: s,
+        lambda s: _filtered(s, top_p, top_k, jax.lax.top_k(s, cap)[0]),
+        lambda s: _filtered(s, top_p, jnp.where(use_k, top_k, 0), -jnp.sort(-s, axis=-1)),
+    ], scaled)
+    return jax.nn.log_softmax(filtered, axis=-1)
 
 
-def sample_tokens(logits, key, temperature, top_p, top_k):
-    """logits f32 [B, V] -> (tokens int32 [B], behavior logprobs f32 [B])."""
+def sample_tokens(logits, keys, temperature, top_p, top_k):
+    """logits f32 [B, V], keys [B] (one PRNG key per row) -> (tokens int32 [B],
+    behavior logprobs f32 [B]). Per-row keys make a row's draw independent of its batch."""
     logp = behavior_log_probs(logits, temperature, top_p, top_k)
-    drawn = jax.random.categorical(key, logp, axis=-1)
+    drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp)
     tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -16,6 +16,21 @@ class CacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching knobs (shapes: each value is one compiled size, never a recompile
+    per call)."""
+    max_num_seqs: int = 64  # decode slots: rows generated concurrently
+    chunk_steps: int = 16  # decode steps per on-device chunk between host scheduling
+    max_prefill_tokens: int = 2048  # new prompt tokens admitted per prefill launch (soft)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "chunk_steps", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Sample:
     prompt_ids: tuple
     output_ids: tuple
@@ -44,7 +59,9 @@ class RolloutBatch:
     prefill_tokens: int  # prompt tokens whose KV was computed
     reused_tokens: int  # prompt tokens not recomputed (radix hits + group sharing)
     cached_tokens: int  # prompt tokens served by the radix cache
-    decode_steps: int
+    decode_steps: int  # on-device decode steps over all chunks
+    decode_chunks: int
+    prefill_launches: int
     seconds: float
     sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
 

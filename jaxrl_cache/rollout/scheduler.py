@@ -1,0 +1,196 @@
+"""Continuous-batching bookkeeping: pure host functions, no model, no device.
+
+A rollout call is a queue of samples (prompt g, sample j), in prompt order. Samples are
+admitted in order into a fixed number of decode slots as pages allow, a *unit* at a time:
+up to n consecutive samples of one prompt that share its prefill. Between decode chunks
+finished rows retire and waiting samples are admitted.
+
+Page policy: a sample's worst case (prompt + max_new_tokens - 1 positions) is reserved at
+admission, so a running row never waits for a page and nothing is preempted or recomputed.
+The price is lower concurrency when outputs stop early; pages a row did not use return to
+the pool when it retires.
+
+Page layout of a row (every page listed is held by the row: one reference each):
+    [matched prefix pages | shared prompt pages of its unit | own pages]
+own[0] holds the partial last prompt page when the prompt does not end on a page boundary:
+the unit's first row prefills it, the others get a copy (`copies`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def row_pages(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Pages one sample needs: KV of prompt + every output token but the last."""
+    return pages_for(prompt_len + max_new_tokens - 1, page_size)
+
+
+@dataclasses.dataclass
+class Row:
+    """One sample in flight: its table, what it generated, and how it ended."""
+    index: int  # position in the call's output (prompt order, then sample order)
+    group: int  # index of its prompt in the call
+    prompt: tuple
+    pages: np.ndarray  # int32 [n] every page of its table
+    cached_tokens: int  # prompt tokens whose KV came from the radix cache
+    fresh: bool = True  # first token still to be drawn from the prefill logits
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Samples of one prompt admitted together: one prefill of the uncached prompt tail."""
+    group: int
+    prompt: tuple
+    cached_tokens: int  # page-aligned prefix served by the radix cache
+    rows: tuple  # Row, ...; rows[0] prefills, the others copy its partial page
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.prompt) - self.cached_tokens
+
+
+def unit_page_need(prompt_len: int, cached_tokens: int, rows: int, max_new_tokens: int,
+                   page_size: int) -> tuple[int, int]:
+    """(shared, own): fresh full prompt pages for the unit, fresh pages per row."""
+    full = prompt_len // page_size
+    shared = full - cached_tokens // page_size
+    own = row_pages(prompt_len, max_new_tokens, page_size) - full
+    return shared, own
+
+
+def layout_unit(group: int, prompt: tuple, first_index: int, matched: np.ndarray,
+                fresh: np.ndarray, rows: int, max_new_tokens: int, page_size: int) -> Unit:
+    """Splits `fresh` pages (from the allocator) into the unit's rows' tables.
+
+    matched int32 [c] pinned radix pages; fresh int32 [shared + rows * own].
+    """
+    cached = matched.size * page_size
+    shared, own = unit_page_need(len(prompt), cached, rows, max_new_tokens, page_size)
+    if fresh.size != shared + rows * own:
+        raise ValueError(f"unit needs {shared + rows * own} fresh pages, got {fresh.size}")
+    prefix = np.concatenate([matched, fresh[:shared]]).astype(np.int32)
+    out = tuple(Row(index=first_index + j, group=group, prompt=prompt,
+                    pages=np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]]),
+                    cached_tokens=cached) for j in range(rows))
+    return Unit(group=group, prompt=prompt, cached_tokens=cached, rows=out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillArrays:
+    """Packed inputs of one prefill launch (shapes bucketed by the caller's sizes)."""
+    tokens: np.ndarray  # int32 [T] new prompt tokens of every unit, packed
+    token_seq: np.ndarray  # int32 [T] unit of each token
+    token_pos: np.ndarray  # int32 [T] position in its prompt (-1 = padding)
+    page_table: np.ndarray  # int32 [S, W] the unit's first row's table
+    cu_q_lens: np.ndarray  # int32 [S+1]
+    kv_lens: np.ndarray  # int32 [S] prompt lengths
+    logit_slot: np.ndarray  # int32 [B] packed token whose logits slot b starts from
+    copy_src: np.ndarray  # int32 [B] partial prompt page to copy ... (0 -> 0 = none)
+    copy_dst: np.ndarray  # int32 [B] ... into a row's own first page
+
+
+def pack_prefill(units: list[tuple[Unit, list[int]]], num_tokens: int, num_seqs: int,
+                 width: int, num_slots: int, page_size: int) -> PrefillArrays:
+    """units: (unit, slot of each of its rows). Sizes T=num_tokens >= sum of new tokens,
+    S=num_seqs >= len(units), W=width >= any table, B=num_slots."""
+    tokens = np.zeros(num_tokens, np.int32)
+    token_seq = np.zeros(num_tokens, np.int32)
+    token_pos = np.full(num_tokens, -1, np.int32)
+    table = np.zeros((num_seqs, width), np.int32)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    logit_slot = np.zeros(num_slots, np.int32)
+    copy_src = np.zeros(num_slots, np.int32)
+    copy_dst = np.zeros(num_slots, np.int32)
+    for s, (unit, slots) in enumerate(units):
+        lo, hi = cu[s], cu[s] + unit.new_tokens
+        tokens[lo:hi] = unit.prompt[unit.cached_tokens:]
+        token_seq[lo:hi] = s
+        token_pos[lo:hi] = np.arange(unit.cached_tokens, len(unit.prompt))
+        cu[s + 1] = hi
+        kv_lens[s] = len(unit.prompt)
+        first = unit.rows[0].pages
+        table[s, :first.size] = first
+        partial = len(unit.prompt) % page_size != 0
+        full = len(unit.prompt) // page_size
+        for row, slot in zip(unit.rows, slots):
+            logit_slot[slot] = hi - 1
+            if partial and row is not unit.rows[0]:
+                copy_src[slot], copy_dst[slot] = first[full], row.pages[full]
+    cu[len(units) + 1:] = cu[len(units)]
+    return PrefillArrays(tokens, token_seq, token_pos, table, cu, kv_lens, logit_slot,
+                         copy_src, copy_dst)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeArrays:
+    """Per-slot state sent to one decode chunk."""
+    fresh: np.ndarray  # bool [B] first token comes from the prefill logits
+    last_token: np.ndarray  # int32 [B] token whose KV the next step writes
+    position: np.ndarray  # int32 [B] its position (fresh rows: the prompt length)
+    page_table: np.ndarray  # int32 [B, W]
+    budget: np.ndarray  # int32 [B] tokens the row may still emit (0 = empty slot)
+    sample_index: np.ndarray  # int32 [B] Row.index (its PRNG stream)
+    emitted: np.ndarray  # int32 [B] tokens emitted so far (position in its PRNG stream)
+
+
+def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
+    """slots: Row or None per decode slot."""
+    b = len(slots)
+    fresh = np.zeros(b, bool)
+    last = np.zeros(b, np.int32)
+    pos = np.zeros(b, np.int32)
+    table = np.zeros((b, width), np.int32)
+    budget = np.zeros(b, np.int32)
+    index = np.zeros(b, np.int32)
+    emitted = np.zeros(b, np.int32)
+    for i, row in enumerate(slots):
+        if row is None:
+            continue
+        n = len(row.tokens)
+        fresh[i] = row.fresh
+        last[i] = row.tokens[-1] if n else 0
+        pos[i] = len(row.prompt) + max(n - 1, 0)
+        table[i, :row.pages.size] = row.pages
+        budget[i] = max_new_tokens - n
+        index[i] = row.index
+        emitted[i] = n
+    return DecodeArrays(fresh, last, pos, table, budget, index, emitted)
+
+
+def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
+                stopped: np.ndarray, max_new_tokens: int) -> list[int]:
+    """Appends a chunk's output to its rows; returns the slots whose rows finished.
+
+    tokens int32 [B, k], logprobs f32 [B, k], counts int32 [B] tokens emitted this chunk,
+    stopped bool [B] the last of them is a stop token.
+    """
+    done = []
+    for i, row in enumerate(slots):
+        if row is None:
+            continue
+        n = int(counts[i])
+        row.tokens.extend(tokens[i, :n].tolist())
+        row.logprobs.extend(logprobs[i, :n].tolist())
+        row.fresh = row.fresh and n == 0
+        if stopped[i]:
+            row.finish_reason = "stop"
+        elif len(row.tokens) >= max_new_tokens:
+            row.finish_reason = "length"
+        if row.finish_reason is not None:
+            done.append(i)
+    return done
+
+
+def written_tokens(row: Row) -> tuple:
+    """Tokens whose KV the row's pages hold: prompt + every output token but the last."""
+    return row.prompt + tuple(row.tokens[:-1])
