@@ -7,10 +7,17 @@ from jaxrl_cache.models.llama import ModelConfig, forward, init_params
 CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
 
 
+def scale_matrices(params, factor: float):
+    """params with every weight matrix (not norms or biases) multiplied by factor. Layer
+    leaves are stacked [n_layers, ...], so their matrices are 3-D."""
+    layers = {name: x * factor if x.ndim == 3 else x for name, x in params["layers"].items()}
+    top = {name: x * factor if x.ndim == 2 else x for name, x in params.items() if name != "layers"}
+    return {**top, "layers": layers}
+
+
 def varied_params(seed: int, config: ModelConfig = CONFIG):
     """Random params scaled up so greedy decoding does not collapse to one token."""
-    params = init_params(config, jax.random.key(seed))
-    return jax.tree.map(lambda x: x * 12.0 if x.ndim == 2 else x, params)
+    return scale_matrices(init_params(config, jax.random.key(seed)), 12.0)
 
 
 _dense_forward = jax.jit(forward, static_argnums=1)

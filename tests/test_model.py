@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.models.llama import (ModelConfig, decode_forward, forward, init_kv_cache, init_params,
-                               prefill_forward)
-from tests.helpers import CONFIG, varied_params
+from jaxrl_cache.models import RopeScaling
+from jaxrl_cache.models.llama import (ModelConfig, copy_pages, decode_forward, forward,
+                                      init_kv_cache, init_params, prefill_forward)
+from tests.helpers import CONFIG, scale_matrices, varied_params
 
 PS = 8
 
@@ -48,15 +49,37 @@ def test_paged_matches_dense(cached, backend):
                                atol=2e-4, rtol=2e-4)
 
 
-def test_untied_no_bias_variant_matches_dense():
-    config = ModelConfig.tiny(vocab_size=40, qkv_bias=False, tie_embeddings=False, n_kv_heads=1)
-    params = jax.tree.map(lambda x: x * 12.0 if x.ndim == 2 else x,
-                          init_params(config, jax.random.key(3)))
+@pytest.mark.parametrize("overrides", [
+    dict(qkv_bias=False, tie_embeddings=False, n_kv_heads=1),
+    dict(qk_norm=True, out_bias=True, head_dim=8),  # Qwen3-like, head_dim decoupled
+    dict(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16), rope_theta=500000.0),
+    dict(rope_scaling=RopeScaling("linear", 4.0)),
+], ids=["untied-nobias-mqa", "qknorm-outbias-hd8", "llama3-rope", "linear-rope"])
+def test_variants_paged_match_dense(overrides):
+    config = ModelConfig.tiny(vocab_size=40, **overrides)
+    params = scale_matrices(init_params(config, jax.random.key(3)), 12.0)
     seq = list(range(3, 23))
     dense = forward(params, config, jnp.asarray([seq], jnp.int32))[0]
     paged, split = paged_logits(params, config, seq, 0, "xla")
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense[split - 1:]),
                                atol=2e-4, rtol=2e-4)
+
+
+def test_copy_pages_copies_every_layer_and_nothing_else():
+    k, v = init_kv_cache(CONFIG, 6, PS)
+    k = jax.random.normal(jax.random.key(0), k.shape)
+    v = jax.random.normal(jax.random.key(1), v.shape)
+    k2, v2 = copy_pages((k, v), jnp.asarray([2, 0], jnp.int32), jnp.asarray([5, 0], jnp.int32))
+    want_k = np.asarray(k).copy()
+    want_k[:, 5] = want_k[:, 2]
+    np.testing.assert_array_equal(np.asarray(k2), want_k)
+    np.testing.assert_array_equal(np.asarray(v2[:, 5]), np.asarray(v[:, 2]))
+
+
+def test_forward_refuses_sequences_past_max_seq_len():
+    params = init_params(CONFIG, jax.random.key(0))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        forward(params, CONFIG, jnp.zeros((1, CONFIG.max_seq_len + 1), jnp.int32))
 
 
 def test_config_validation():
@@ -72,7 +95,7 @@ def test_nnx_module_and_functional_params_agree():
     params = init_params(CONFIG, jax.random.key(7))
     for a, b in zip(jax.tree.leaves(model.params()), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert isinstance(params["layers"], list) and len(params["layers"]) == CONFIG.n_layers
+    assert all(x.shape[0] == CONFIG.n_layers for x in params["layers"].values())
     tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
     np.testing.assert_allclose(np.asarray(model(tokens)),
                                np.asarray(forward(params, CONFIG, tokens)), atol=1e-6)

@@ -1,8 +1,9 @@
-"""A Llama/Qwen2-family decoder LM: an nnx Module holds the weights, pure functions compute.
+"""A Llama/Mistral/Qwen2/Qwen3 decoder LM: an nnx Module holds the weights, pure functions compute.
 
-RMSNorm, rotary embeddings (Llama "rotate half" layout), GQA, SwiGLU, optional qkv bias,
-tied or untied embeddings. Weights are stored [in, out] so x @ w; a Hugging Face Llama or
-Qwen2 checkpoint maps on by transposing its Linear weights. The same params serve the dense
+RMSNorm, rotary embeddings (Llama "rotate half" layout, optional linear/llama3 scaling), GQA,
+SwiGLU, optional q/k/v and output-projection biases, optional per-head q/k RMSNorm, tied or
+untied embeddings. Weights are stored [in, out] so x @ w, blocks stacked on a leading
+[n_layers] axis and run by one lax.scan (`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
 `forward` (training, audit) and the paged `prefill_forward` / `decode_forward` (rollout).
 Params are always arguments, never closed over, so new weights never recompile.
 """
@@ -18,29 +19,36 @@ from jaxrl_cache.models.config import ModelConfig
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
 
 
-class DecoderLayer(nnx.Module):
-    """One pre-norm block: attention (GQA, rotary) and a SwiGLU MLP."""
+class DecoderLayers(nnx.Module):
+    """All pre-norm blocks, stacked: every weight has a leading [n_layers] axis so the
+    forwards run the blocks with one `lax.scan` (compile time independent of depth)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
-        d, hq, hkv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        n, d, hq, hkv, hd = (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads,
+                             config.head_dim)
         normal = nnx.initializers.normal(0.02)
-        out = nnx.initializers.normal(0.02 / (2 * config.n_layers) ** 0.5)  # residual scaling
+        out = nnx.initializers.normal(0.02 / (2 * n) ** 0.5)  # residual scaling
 
-        def param(init, shape):
-            return nnx.Param(init(rngs.params(), shape, dtype))
+        def param(init, *shape):
+            return nnx.Param(init(rngs.params(), (n, *shape), dtype))
 
-        self.attn_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.wq, self.wk, self.wv = (param(normal, (d, hq * hd)), param(normal, (d, hkv * hd)),
-                                     param(normal, (d, hkv * hd)))
+        def const(value, *shape):
+            return nnx.Param(jnp.full((n, *shape), value, dtype))
+
+        self.attn_norm = const(1, d)
+        self.wq, self.wk, self.wv = param(normal, d, hq * hd), param(normal, d, hkv * hd), \
+            param(normal, d, hkv * hd)
         if config.qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((hq * hd,), dtype))
-            self.bk = nnx.Param(jnp.zeros((hkv * hd,), dtype))
-            self.bv = nnx.Param(jnp.zeros((hkv * hd,), dtype))
-        self.wo = param(out, (hq * hd, d))
-        self.mlp_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.w_gate, self.w_up = param(normal, (d, config.d_ff)), param(normal, (d, config.d_ff))
-        self.w_down = param(out, (config.d_ff, d))
+            self.bq, self.bk, self.bv = const(0, hq * hd), const(0, hkv * hd), const(0, hkv * hd)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = const(1, hd), const(1, hd)
+        self.wo = param(out, hq * hd, d)
+        if config.out_bias:
+            self.bo = const(0, d)
+        self.mlp_norm = const(1, d)
+        self.w_gate, self.w_up = param(normal, d, config.d_ff), param(normal, d, config.d_ff)
+        self.w_down = param(out, config.d_ff, d)
 
 
 class DecoderLM(nnx.Module):
@@ -56,20 +64,17 @@ class DecoderLM(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         normal = nnx.initializers.normal(0.02)
         self.embed = nnx.Param(normal(rngs.params(), (config.vocab_size, config.d_model), dtype))
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs)
-                                for _ in range(config.n_layers)])
+        self.layers = DecoderLayers(config, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
         if not config.tie_embeddings:
             self.lm_head = nnx.Param(normal(rngs.params(), (config.d_model, config.vocab_size),
                                             dtype))
 
     def params(self) -> dict:
-        """The weights as a plain pytree: layers is a list of dicts, one per block."""
+        """The weights as a plain pytree; params["layers"] is a dict of [n_layers, ...] arrays."""
         state = nnx.state(self, nnx.Param)
         # nnx.to_pure_dict is the newer spelling (State.to_pure_dict is deprecated)
-        state = nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
-        state["layers"] = [state["layers"][i] for i in range(self.config.n_layers)]
-        return state
+        return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
 
     def __call__(self, tokens):  # tokens int32 [B, T] -> logits f32 [B, T, V]
         return forward(self.params(), self.config, tokens)
@@ -81,23 +86,24 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
 
 
 def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x, positions, theta):
-    """x [..., T, H, D]; positions int32 [..., T]. Llama rotate-half convention."""
+def rotary(x, positions, inv_freq):
+    """x [..., T, H, D]; positions int32 [..., T]; inv_freq f32 [D/2]. Llama rotate-half."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [D/2]
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # [..., T, D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 def _qkv(layer, config, h, positions):
-    """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied."""
+    """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied.
+    `layer` holds one block's weights (no layer axis)."""
     q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
     if config.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -105,7 +111,11 @@ def _qkv(layer, config, h, positions):
     q = q.reshape(*lead, config.n_heads, config.head_dim)
     k = k.reshape(*lead, config.n_kv_heads, config.head_dim)
     v = v.reshape(*lead, config.n_kv_heads, config.head_dim)
-    return rotary(q, positions, config.rope_theta), rotary(k, positions, config.rope_theta), v
+    if config.qk_norm:
+        q = rms_norm(q, layer["q_norm"], config.norm_eps)
+        k = rms_norm(k, layer["k_norm"], config.norm_eps)
+    inv_freq = jnp.asarray(config.inv_freq())
+    return rotary(q, positions, inv_freq), rotary(k, positions, inv_freq), v
 
 
 def _mlp(layer, h):
@@ -115,34 +125,43 @@ def _mlp(layer, h):
 def _logits(params, config, x):
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return (x @ head).astype(jnp.float32)
+    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
 
 
 def _decoder(params, config, x, positions, attend: Callable, kv_cache):
-    """Runs every layer. attend(layer_index, q, k, v, cache_entry) -> (out, cache_entry)."""
-    new_cache = []
-    for i, layer in enumerate(params["layers"]):
+    """Runs the stacked blocks with one lax.scan; kv_cache (any pytree, or None) is carried.
+
+    attend(layer int32 [], q, k, v, kv_cache) -> (out [..., T, Hq, D], kv_cache').
+    """
+    def block(carry, layer):
+        x, kv_cache, index = carry
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
         q, k, v = _qkv(layer, config, h, positions)
-        attn, entry = attend(q, k, v, None if kv_cache is None else kv_cache[i])
-        new_cache.append(entry)
-        x = x + attn.reshape(*attn.shape[:-2], -1) @ layer["wo"]
+        attn, kv_cache = attend(index, q, k, v, kv_cache)
+        attn = attn.reshape(*attn.shape[:-2], -1) @ layer["wo"]
+        x = x + (attn + layer["bo"] if config.out_bias else attn)
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
-    return x, (None if kv_cache is None else tuple(new_cache))
+        return (x, kv_cache, index + 1), None
+
+    (x, kv_cache, _), _ = jax.lax.scan(block, (x, kv_cache, jnp.int32(0)), params["layers"])
+    return x, kv_cache
 
 
 def forward(params, config: ModelConfig, tokens):
-    """Dense causal forward. tokens int32 [B, T] -> logits f32 [B, T, V]."""
+    """Dense causal forward. tokens int32 [B, T] (T <= max_seq_len) -> logits f32 [B, T, V]."""
     batch, length = tokens.shape
+    if length > config.max_seq_len:
+        raise ValueError(f"tokens has length {length} > max_seq_len {config.max_seq_len}")
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     group = config.n_heads // config.n_kv_heads
     causal = jnp.tril(jnp.ones((length, length), bool))
 
-    def attend(q, k, v, _):
+    def attend(_, q, k, v, kv_cache):
         k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * config.head_dim ** -0.5
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                       preferred_element_type=jnp.float32) * config.head_dim ** -0.5
         p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), kv_cache
 
     x = params["embed"][tokens]
     x, _ = _decoder(params, config, x, positions, attend, None)
@@ -150,17 +169,35 @@ def forward(params, config: ModelConfig, tokens):
 
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int):
-    """Per layer (k_pages, v_pages), each [P, Hkv, page_size, D] zeros."""
-    shape = (num_pages, config.n_kv_heads, page_size, config.head_dim)
+    """The KV pool (k, v), each [n_layers, P, Hkv, page_size, D] zeros; page 0 is null."""
+    shape = (config.n_layers, num_pages, config.n_kv_heads, page_size, config.head_dim)
     dtype = jnp.dtype(config.dtype)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for _ in range(config.n_layers))
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 def copy_pages(kv_cache, src, dst):
     """Copies pages src[i] -> dst[i] in every layer. src, dst int32 [C] (0 -> 0 is a no-op
     pad: the null page copied onto itself)."""
-    return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv_cache)
+    return jax.tree.map(lambda pages: pages.at[:, dst].set(pages[:, src]), kv_cache)
+
+
+def _paged_attend(kernel: Callable, page_table, token_seq, token_pos):
+    """attend() for `_decoder` over the stacked pool, without copying a layer out of it.
+
+    The pool [L, P, ...] is viewed as one flat pool [L * P, ...] (a free reshape) and layer
+    l's pages are addressed as l * P + page: the K/V write is a scatter at those pages and
+    the attention kernel reads them through the shifted page table.
+    kernel(q, k_flat, v_flat, page_table) -> out.
+    """
+    def attend(layer, q, k, v, kv_cache):
+        k_pool, v_pool = kv_cache
+        table = page_table + layer * k_pool.shape[1]
+        k_flat, v_flat = write_kv(k_pool.reshape(-1, *k_pool.shape[2:]),
+                                  v_pool.reshape(-1, *v_pool.shape[2:]), k, v, table,
+                                  token_seq, token_pos)
+        out = kernel(q, k_flat, v_flat, table)
+        return out, (k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape))
+    return attend
 
 
 def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, token_pos,
@@ -169,15 +206,14 @@ def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, to
 
     tokens, token_seq, token_pos int32 [T] (token_pos -1 = padding); page_table int32 [S, W];
     cu_q_lens int32 [S+1]; kv_lens int32 [S]; logit_index int32 [S] (packed row whose logits
-    to return). kv_cache: per layer (k_pages, v_pages) [P, Hkv, ps, D].
+    to return). kv_cache: (k, v) each [L, P, Hkv, ps, D] (`init_kv_cache`).
     Returns (logits f32 [S, V], kv_cache').
     """
-    def attend(q, k, v, entry):
-        k_pages, v_pages = write_kv(*entry, k, v, page_table, token_seq, token_pos)
-        out = paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
-                                      backend=backend)
-        return out, (k_pages, v_pages)
+    def kernel(q, k_flat, v_flat, table):
+        return paged_prefill_attention(q, k_flat, v_flat, table, cu_q_lens, kv_lens,
+                                       backend=backend)
 
+    attend = _paged_attend(kernel, page_table, token_seq, token_pos)
     x = params["embed"][tokens]
     x, kv_cache = _decoder(params, config, x, jnp.maximum(token_pos, 0), attend, kv_cache)
     return _logits(params, config, x[logit_index]), kv_cache
@@ -187,17 +223,16 @@ def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, pag
                    backend: str):
     """One decode step for a batch of rows; writes each row's KV at its position.
 
-    tokens int32 [B]; positions int32 [B] (-1 = inactive row); page_table int32 [B, W].
-    Returns (logits f32 [B, V], kv_cache').
+    tokens int32 [B]; positions int32 [B] (-1 = inactive row); page_table int32 [B, W];
+    kv_cache (k, v) each [L, P, Hkv, ps, D]. Returns (logits f32 [B, V], kv_cache').
     """
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     seq_lens = jnp.maximum(positions + 1, 0)
 
-    def attend(q, k, v, entry):
-        k_pages, v_pages = write_kv(*entry, k, v, page_table, rows, positions)
-        out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, backend=backend)
-        return out, (k_pages, v_pages)
+    def kernel(q, k_flat, v_flat, table):
+        return paged_decode_attention(q, k_flat, v_flat, table, seq_lens, backend=backend)
 
+    attend = _paged_attend(kernel, page_table, rows, positions)
     x = params["embed"][tokens]
     x, kv_cache = _decoder(params, config, x, jnp.maximum(positions, 0), attend, kv_cache)
     return _logits(params, config, x), kv_cache
