@@ -1,4 +1,9 @@
-"""Policy version checks: versions are non-negative integers that only move forward."""
+"""Policy version checks: versions are integers in [0, 2**31 - 1] that only move forward.
+
+The bound is the int32 range end to end: TrainState stores the version as int32, the engine,
+the radix cache and checkpoints use the same range, and `as_version` refuses anything outside
+it before any state changes.
+"""
 from __future__ import annotations
 
 import numbers
@@ -7,11 +12,14 @@ import numpy as np
 
 from jaxrl_cache.errors import VersionError
 
+MAX_VERSION = 2**31 - 1  # int32 max: TrainState.version is int32
+
 
 def as_version(value, name: str = "version") -> int:
-    """Returns `value` as a Python int; accepts ints and integer 0-d arrays (jax or numpy).
+    """Returns `value` as a Python int in [0, MAX_VERSION]; accepts ints and integer 0-d
+    arrays (jax or numpy).
 
-    Raises TypeError for bools, floats and other non-integers, VersionError for negatives.
+    Raises TypeError for bools, floats and other non-integers, VersionError outside the range.
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got bool {value!r}")
@@ -20,8 +28,8 @@ def as_version(value, name: str = "version") -> int:
         if dtype is None or getattr(value, "shape", None) != () or not np.issubdtype(
                 dtype, np.integer):
             raise TypeError(f"{name} must be an integer or 0-d integer array, got "
-                            f"{type(value).__name__} {value!r}")
+                            f"{type(value).__name__} {value!r:.80}")
     version = int(value)
-    if version < 0:
-        raise VersionError(f"{name} must be >= 0, got {version}")
+    if not 0 <= version <= MAX_VERSION:
+        raise VersionError(f"{name} must be >= 0 and <= {MAX_VERSION} (int32), got {version}")
     return version

@@ -1,6 +1,25 @@
-"""Checkpoints of a TrainState (params, optimizer state, version) with orbax."""
+"""Checkpoints of a TrainState (params, optimizer state, version) through orbax's
+CheckpointManager: one step per policy version, in one directory that holds nothing else.
+
+Guarantees:
+- Atomic: orbax writes a step into a temporary directory and renames it when complete, so a
+  save killed at any moment leaves every earlier step restorable. A version already saved is
+  never rewritten: saving identical contents again is a no-op, different contents under the
+  same version are refused (a weight change comes with a new version).
+- Verified: each step stores a digest (blake2b) of every array and the shape/dtype of every
+  leaf; restore checks the template against them before reading and the digest after, so a
+  flipped byte or a template of another model/dtype is a `CheckpointError`, as is a state
+  whose optimizer update counts disagree with its version.
+- Ours only: the directory carries a marker file; a non-empty directory without it is refused
+  (never written into, never pruned). Errors are one line; orbax/absl logging is silenced
+  while orbax runs.
+"""
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
+import os
 import pathlib
 
 import jax
@@ -8,43 +27,184 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
+from jaxrl_cache.versioning import as_version
+
+MARKER = "JAXRL_CACHE_CHECKPOINTS"  # present in every directory save_checkpoint manages
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or inconsistent with its version."""
+    """A checkpoint is missing, malformed, corrupted, or inconsistent with its version."""
 
 
 def _payload(state: TrainState) -> dict:
     return dict(params=state.params, opt_state=state.opt_state, version=state.version)
 
 
-def save_checkpoint(path, state: TrainState) -> pathlib.Path:
-    """Writes `state` to the directory `path` (replaced if it exists); returns the path."""
-    path = pathlib.Path(path).resolve()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, _payload(state), force=True)
-        ckptr.wait_until_finished()
+def _layout(payload) -> list[list]:
+    """[path, shape, dtype] of every leaf, in tree order."""
+    return [[jax.tree_util.keystr(path), list(np.shape(leaf)),
+             str(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)]
+            for path, leaf in jax.tree_util.tree_leaves_with_path(payload)]
+
+
+def _digest(payload) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    for leaf in jax.tree.leaves(jax.device_get(payload)):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silences orbax's and absl's logging (they log every failure with a traceback)."""
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "orbax.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _directory(directory, *, create: bool) -> pathlib.Path | None:
+    """The managed directory; None if it does not exist (or is empty and not created)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    path = pathlib.Path(directory).resolve()
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory")
+    if path.is_dir() and (path / MARKER).is_file():
+        return path
+    if path.is_dir() and any(path.iterdir()):
+        raise CheckpointError(f"{path} is not empty and holds no jaxrl_cache checkpoints "
+                              f"(no {MARKER} file); refusing to touch it")
+    if not create:
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".{MARKER}.tmp"
+    tmp.write_text("orbax CheckpointManager directory; steps are policy versions\n")
+    tmp.replace(path / MARKER)
     return path
 
 
-def restore_checkpoint(path, template: TrainState) -> TrainState:
-    """Restores into the structure of `template` (same model and optimizer).
+def _manager(path: pathlib.Path, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
+                                           enable_async_checkpointing=False,
+                                           cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(path, options=options, item_names=("state", "meta"))
 
-    Refuses a checkpoint whose optimizer update counts disagree with its version.
+
+def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pathlib.Path:
+    """Saves `state` as step `state.version` of the checkpoint directory `directory` (created
+    if missing) and keeps the newest `max_to_keep` steps. Returns the step's path.
+
+    Versions are in the int32 range (see versioning). Refuses (CheckpointError, nothing
+    written) a version older than the latest step, the same version with other contents, and a
+    non-empty directory that is not a checkpoint directory.
     """
-    path = pathlib.Path(path).resolve()
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _payload(template))
-    with ocp.StandardCheckpointer() as ckptr:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, (int, np.integer)) \
+            or max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be a positive integer, got {max_to_keep!r}")
+    version = as_version(state.version, "state.version")
+    payload = _payload(state)
+    meta = dict(version=version, digest=_digest(payload), layout=_layout(payload))
+    path = _directory(directory, create=True)
+    with _quiet(), _manager(path, int(max_to_keep)) as mngr:
+        latest = mngr.latest_step()
+        if latest is not None and version < latest:
+            raise CheckpointError(f"cannot save version {version} into {path}: it already "
+                                  f"holds the newer version {latest}")
+        if version in mngr.all_steps():
+            stored = _read_meta(mngr, path, version)
+            if stored.get("digest") != meta["digest"]:
+                raise CheckpointError(f"{path} already holds version {version} with other "
+                                      f"contents; a weight change needs a new version")
+        else:
+            try:
+                mngr.save(version, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
+                mngr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - orbax raises many types
+                raise CheckpointError(f"saving version {version} into {path} failed: "
+                                      f"{type(e).__name__}: {_first_line(e)}") from None
+    return path / str(version)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _read_meta(mngr, path, step) -> dict:
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path / str(step)} is unreadable: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
+    if not isinstance(meta, dict) or not {"version", "digest", "layout"} <= meta.keys():
+        raise CheckpointError(f"checkpoint {path / str(step)} has no valid metadata")
+    return meta
+
+
+def latest_checkpoint_version(directory) -> int | None:
+    """The newest saved version in `directory`, or None if there is none (or no directory).
+    CheckpointError if the directory exists but is not a checkpoint directory."""
+    path = _directory(directory, create=False)
+    if path is None:
+        return None
+    with _quiet(), _manager(path) as mngr:
+        return mngr.latest_step()
+
+
+def restore_checkpoint(directory, template: TrainState, *, step: int | None = None) -> TrainState:
+    """Restores step `step` (default: the latest) into the structure of `template` (same
+    model, optimizer and dtypes; its tx, schedule and config are kept).
+
+    CheckpointError if there is no such step, the template's layout differs from the stored
+    one, the arrays' digest does not match, or the optimizer update counts disagree with the
+    version.
+    """
+    if not isinstance(template, TrainState):
+        raise TypeError(f"template must be a TrainState, got {type(template).__name__}")
+    path = _directory(directory, create=False)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {pathlib.Path(directory).resolve()}")
+    with _quiet(), _manager(path) as mngr:
+        steps = mngr.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint in {path}")
+            step = max(steps)
+        step = as_version(step, "step")
+        if step not in steps:
+            raise CheckpointError(f"no version {step} in {path}; it holds {sorted(steps)}")
+        meta = _read_meta(mngr, path, step)
+        layout = _layout(_payload(template))
+        if meta["layout"] != layout:
+            diff = next(((a, b) for a, b in zip(meta["layout"], layout) if a != b),
+                        (f"{len(meta['layout'])} leaves", f"{len(layout)} leaves"))
+            raise CheckpointError(f"checkpoint {path / str(step)} does not match the template: "
+                                  f"stored {diff[0]}, template {diff[1]}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _payload(template))
         try:
-            restored = ckptr.restore(path, abstract)
-        except Exception as e:  # orbax raises several types for structure mismatches
-            raise CheckpointError(f"checkpoint at {path} does not match the template: {e}") from e
+            restored = mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
+    if _digest(restored) != meta["digest"]:
+        raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: its arrays do not "
+                              f"match the stored digest")
     version = int(np.asarray(restored["version"]))
     counts = optimizer_counts(restored["opt_state"])
-    if any(c != version for c in counts):
-        raise CheckpointError(f"checkpoint at {path} has version {version} but optimizer "
-                              f"update counts {counts}; refusing an inconsistent state")
+    if version != step or any(c != version for c in counts):
+        raise CheckpointError(f"checkpoint {path / str(step)} has version {version} but "
+                              f"optimizer update counts {counts}; refusing an inconsistent "
+                              f"state")
     return template.replace(params=restored["params"], opt_state=restored["opt_state"],
                             version=restored["version"])
