@@ -90,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=_positive_int, default=d.steps,
         help="GRPO steps (= final policy version) [%(default)s]")
     add("--sft-steps", type=_natural_int, default=None,
-        help="supervised warm-start steps on reference answers before GRPO; 0 skips it "
-             "[80 for the built-in model, 0 with --model]")
+        help="at most this many supervised warm-start steps on reference answers before "
+             "GRPO; 0 skips it [300 for the built-in model, 0 with --model]")
+    add("--sft-stop-loss", type=_positive_float, default=d.sft_stop_loss,
+        help="the warm start stops early once its smoothed token loss falls below this: it "
+             "is deliberately short, GRPO does the rest [%(default)s]")
     add("--sft-lr", type=_positive_float, default=d.sft_lr,
         help="warm-start learning rate (Adam) [%(default)s]")
     add("--sft-batch", type=_positive_int, default=d.sft_batch,
@@ -155,6 +158,12 @@ def _demo(args) -> int:
     except (ValueError, OSError, CacheFullError) as e:  # CheckpointError, ConfigError too
         print(f"jaxrl-cache demo: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("jaxrl-cache demo: aborted; the last checkpoint is kept (--resume continues)",
+              file=sys.stderr)
+        return 130
+    rl_exact = "n/a (interrupted)" if s["rl_exact_match"] is None else \
+        f"{s['rl_exact_match']:.3f}"
     saved = s["prefill_tokens_saved"] / max(s["prompt_tokens"], 1)
     _print_table([
         ("task / policy", f"{s['task']} / {s['policy']}"),
@@ -163,7 +172,7 @@ def _demo(args) -> int:
         ("exact match in training, first -> last",
          f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"),
         (f"exact match (eval, {s['eval_prompts']} prompts)",
-         f"after SFT {s['sft_exact_match']:.3f} -> after GRPO {s['rl_exact_match']:.3f}"),
+         f"after SFT {s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),
         ("tokens generated", f"{s['generated_tokens']:,}"),
         ("prefill saved (radix + group)", f"{s['prefill_tokens_saved']:,} ({saved:.1%})"),
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),

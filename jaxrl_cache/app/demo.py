@@ -51,8 +51,9 @@ PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
     steps: int = 120  # GRPO steps (= final policy version)
-    sft_steps: int | None = None  # None: 80 for the built-in model, 0 with --model
-    sft_lr: float = 1e-2
+    sft_steps: int | None = None  # at most; None: 300 for the built-in model, 0 with --model
+    sft_stop_loss: float = 0.5  # the warm start stops once its smoothed token loss is below
+    sft_lr: float = 5e-3
     sft_batch: int = 32
     group_size: int = 8
     prompts_per_step: int = 8
@@ -90,7 +91,7 @@ class DemoOptions:
         if self.prompts_per_step % self.rollout_calls:
             raise ValueError(f"--prompts-per-step ({self.prompts_per_step}) must be a multiple "
                              f"of --rollout-calls ({self.rollout_calls})")
-        for name in ("lr", "sft_lr"):
+        for name in ("lr", "sft_lr", "sft_stop_loss"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
                                  f"got {getattr(self, name)}")
@@ -226,9 +227,10 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
     opt_state = tx.init(params)
     rng = np.random.default_rng([opts.seed, 1])
     stop = tokenizer.stop_token_ids[:1]
-    loss = float("nan")
-    for _ in tqdm(range(opts.sft_steps), desc="SFT warm start", unit="step",
-                  dynamic_ncols=True, leave=False):
+    smoothed, steps = None, 0
+    bar = tqdm(range(opts.sft_steps), desc="SFT warm start", unit="step", dynamic_ncols=True,
+               leave=False)
+    for steps in bar:
         examples = task.sample(rng, opts.sft_batch)
         prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
         answers = [tokenizer.encode(e.answer, add_special_tokens=False) + list(stop)
@@ -236,7 +238,13 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
         tokens, mask = pack_completions(prompts, answers)
         params, opt_state, loss = sft_step(params, opt_state, jnp.asarray(tokens),
                                            jnp.asarray(mask), config=config, tx=tx)
-    tqdm.write(f"SFT warm start: {opts.sft_steps} steps, final loss {float(loss):.3f}")
+        smoothed = float(loss) if smoothed is None else 0.8 * smoothed + 0.2 * float(loss)
+        bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
+        if smoothed < opts.sft_stop_loss:
+            break
+    bar.close()
+    tqdm.write(f"SFT warm start: stopped after {steps + 1} steps at token loss {smoothed:.3f} "
+               f"(target {opts.sft_stop_loss})")
     return save_pretrained(run.path / "sft_model", config, params, tokenizer=tokenizer)
 
 
@@ -250,7 +258,7 @@ def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
         params = init_params(config, jax.random.key(opts.seed))
         base = save_pretrained(run.path / "base_model", config, params, tokenizer=tokenizer)
     sft_steps = opts.sft_steps if opts.sft_steps is not None else (
-        0 if opts.model is not None else 80)
+        0 if opts.model is not None else 300)
     return _warm_start(dataclasses.replace(opts, sft_steps=sft_steps), run, task, base) \
         if sft_steps else base
 
@@ -378,8 +386,8 @@ def run_demo(opts: DemoOptions) -> dict:
                 audit_failed += len(report.flagged)
             totals["audit_failed"] += audit_failed
             t1 = time.perf_counter()
-            state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
-            ack = engine.sync_weights(state.params, state.version)
+            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
+            ack = engine.sync_weights(new_state.params, new_state.version)
             train_s = time.perf_counter() - t1
             step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
                                generated=sum(b.generated_tokens for b in batches),
@@ -399,8 +407,10 @@ def run_demo(opts: DemoOptions) -> dict:
                        rollout_seconds=rollout_s, train_seconds=train_s,
                        sample=dict(prompt=example.prompt, completion=completion,
                                    answer=example.answer))
-            run.append_row(row)
-            rows.append(row)
+            with deferred_signals():  # the state and its metrics row move together
+                run.append_row(row)
+                rows.append(row)
+                state = new_state
             for key, value in step_totals.items():
                 totals[key] += value
             bar.set_postfix(v=version, reward=f"{row['reward']:.2f}",
@@ -424,8 +434,9 @@ def run_demo(opts: DemoOptions) -> dict:
             if int(state.version) != saved_version:
                 save_checkpoint(run.checkpoints, state)
     final_version = int(state.version)
-    rl_exact = _evaluate(engine, state.params, final_version, tokenizer, task, opts, sampling,
-                         jax.random.fold_in(seed_key, 2**30))
+    rl_exact = None if stop.requested else _evaluate(
+        engine, state.params, final_version, tokenizer, task, opts, sampling,
+        jax.random.fold_in(seed_key, 2**30))
     exported = save_pretrained(run.path / "final_model", config, state.params,
                                tokenizer=tokenizer)
     title = f"jaxrl_cache demo: SFT -> GRPO on {task.name}"

@@ -64,12 +64,13 @@ class Reward:
 
 @dataclasses.dataclass(frozen=True)
 class CopyDigits:
-    """'repeat the number: 4821\\nanswer: ' -> '4821'. Every prompt starts with the same
-    instruction (the radix cache serves it); the n samples of a group share the whole prompt.
-    Deliberately easy for a small transformer (an attention copy at a fixed offset): a short
-    supervised warm start gets part of the way, GRPO on exact match does the rest."""
+    """'number: 4821\\nanswer: ' -> '4821'. Every prompt starts with the same instruction (the
+    radix cache serves it); the n samples of a group share the whole prompt. Deliberately
+    easy for a small transformer (an attention copy at a fixed offset): a short supervised
+    warm start gets part of the way, GRPO on exact match does the rest. (A longer
+    instruction slows the small model's warm start markedly.)"""
     num_digits: int = 4
-    instruction: str = "repeat the number: "
+    instruction: str = "number: "
     reward: Reward = Reward()
 
     name = "copy-digits"
