@@ -48,7 +48,7 @@ def test_rewards_on_text():
 def test_builtin_task_and_char_tokenizer():
     task = CopyDigits()
     examples = task.sample(np.random.default_rng(0), 3)
-    assert all(e.prompt == f"number: {e.answer}\nanswer: " and len(e.answer) == 4
+    assert all(e.prompt == f"number: {e.answer}=" and len(e.answer) == 4
                and e.answer.isdigit() for e in examples)
     tok = char_tokenizer()
     text = examples[0].prompt

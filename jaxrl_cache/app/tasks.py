@@ -64,11 +64,12 @@ class Reward:
 
 @dataclasses.dataclass(frozen=True)
 class CopyDigits:
-    """'number: 4821\\nanswer: ' -> '4821'. Every prompt starts with the same instruction (the
+    """'number: 4821=' -> '4821'. Every prompt starts with the same instruction (the
     radix cache serves it); the n samples of a group share the whole prompt. Deliberately
     easy for a small transformer (an attention copy at a fixed offset): a short supervised
     warm start gets part of the way, GRPO on exact match does the rest. (A longer
-    instruction slows the small model's warm start markedly.)"""
+    instruction, or more text between the number and its copy, slows the small model's warm
+    start markedly: the copy offset is then harder to find.)"""
     num_digits: int = 4
     instruction: str = "number: "
     reward: Reward = Reward()
@@ -78,7 +79,7 @@ class CopyDigits:
     def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
         digits = rng.integers(0, 10, (count, self.num_digits))
         numbers = ["".join(map(str, d)) for d in digits]
-        return [Example(f"{self.instruction}{x}\nanswer: ", x) for x in numbers]
+        return [Example(f"{self.instruction}{x}=", x) for x in numbers]
 
 
 class JsonlTask:
