@@ -305,6 +305,8 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | N
                               ("prefix cache hit rate", "staleness (max)", "policy version")):
         ax.plot(steps, [r[key] for r in rows])
         ax.set_ylabel(label)
+        if key == "cache_hit_rate":
+            ax.set_ylim(-0.02, 1.02)
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("GRPO step")
