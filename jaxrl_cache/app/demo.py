@@ -327,6 +327,7 @@ def run_demo(opts: DemoOptions) -> dict:
         run.path.mkdir(parents=True, exist_ok=True)
         record = dict(options=dataclasses.asdict(opts))
         run.run_file.write_text(json.dumps(record, indent=2))
+        run.metrics.touch()
         policy = _initial_policy(opts, run, task)
         record = dict(record, policy=str(policy))
         run.run_file.write_text(json.dumps(record, indent=2))
