@@ -431,11 +431,13 @@ def run_demo(opts: DemoOptions) -> dict:
                 break
     finally:
         bar.close()
-        with deferred_signals():  # the final save completes even under a second Ctrl-C
+        try:
+            with deferred_signals():  # the final save completes even under a second Ctrl-C
+                if int(state.version) != saved_version:
+                    save_checkpoint(run.checkpoints, state)
+        finally:  # after the section: it reinstalls the handlers it found on entry
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-            if int(state.version) != saved_version:
-                save_checkpoint(run.checkpoints, state)
     final_version = int(state.version)
     rl_exact = None if stop.requested else _evaluate(
         engine, state.params, final_version, tokenizer, task, opts, sampling,
