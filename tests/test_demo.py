@@ -219,6 +219,7 @@ def test_second_ctrl_c_aborts_but_keeps_the_last_checkpoint(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
     assert latest_checkpoint_version(out / "checkpoints") == 0 and not read_rows(out)
+    monkeypatch.setattr(demo, "train_step", real)
     summary = demo.run_demo(demo.DemoOptions(out=str(out), resume=True,
                                              **dict(SMALL, steps=2)))
     assert [r["step"] for r in read_rows(out)] == [0, 1] and summary["final_version"] == 2
