@@ -12,7 +12,7 @@ setup: $(BIN)/activate
 	$(BIN)/pip install -q -e '.[test]'
 
 demo: setup
-	$(BIN)/jaxrl-cache demo
+	$(BIN)/jaxrl-cache demo --overwrite
 
 test: setup
 	$(BIN)/python -m pytest tests

@@ -1,77 +1,269 @@
-"""The demo task, the GRPO demo loop (outputs, resume, Ctrl-C) and the CLI."""
+"""The demo: tasks and rewards on text, the character tokenizer, the SFT step, the GRPO loop
+through Hugging Face directories, resume/overwrite rules, signals, kill -9, and the CLI."""
 import json
 import os
+import pathlib
+import random
 import signal
+import subprocess
+import sys
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxrl_cache.app import cli, demo
-from jaxrl_cache.app.tasks import EOS, ReverseDigits
+from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
+from jaxrl_cache.models import ModelConfig, forward, from_pretrained, init_params, load_tokenizer
+from jaxrl_cache.rl.checkpoint import latest_checkpoint_version
+from jaxrl_cache.rl.sft import pack_completions, sft_loss, sft_step
 
-SMALL = dict(group_size=2, prompts_per_step=4, rollout_calls=2, max_new_tokens=5)
-
-
-def test_task_reward_and_prompts():
-    task = ReverseDigits()
-    prompts = task.sample_prompts(np.random.default_rng(0), 3)
-    assert all(p[:len(task.prefix)] == task.prefix for p in prompts)
-    assert all(len(p) == task.prompt_len for p in prompts)
-    p = prompts[0]
-    target = task.target(p)
-    assert target[:-1] == p[-2:-2 - task.num_digits:-1] and target[-1] == EOS
-    assert task.reward(p, target) == 1.0
-    assert task.reward(p, []) == 0.0
-    assert 0.0 < task.reward(p, target[:2]) < 1.0
-    wrong = [(t - 4 + 1) % 10 + 4 for t in target[:-1]]  # every digit off by one (or nine)
-    assert 0.0 < task.reward(p, wrong) < 0.5
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TASK_FILE = REPO / "examples" / "tasks" / "add.jsonl"
+SMALL = dict(steps=3, sft_steps=2, sft_batch=4, eval_prompts=4, group_size=2,
+             prompts_per_step=4, rollout_calls=2, checkpoint_every=2)
+SMALL_ARGS = ["--sft-steps", "2", "--sft-batch", "4", "--eval-prompts", "4", "--group-size",
+              "2", "--prompts-per-step", "4", "--rollout-calls", "2"]
 
 
 def read_rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_demo_writes_outputs_and_resumes(tmp_path):
+def test_rewards_on_text():
+    exact = Reward()
+    assert exact(" 4821\n", "4821") == 1.0 and exact("4812", "4821") == 0.0
+    gsm = Reward(r"####\s*(-?[\d,.]+)")
+    assert gsm("so 3 + 4 = 7\n#### 7", "7") == 1.0
+    assert gsm("#### 5 then #### 7", "7") == 1.0  # the last match counts
+    assert gsm("the answer is 7", "7") == 0.0  # no match
+    assert Reward(r"\d+")("x 12 y 7", "7") == 1.0  # no group: the whole match
+    with pytest.raises(ValueError, match="answer-regex"):
+        Reward("(")
+
+
+def test_builtin_task_and_char_tokenizer():
+    task = CopyDigits()
+    examples = task.sample(np.random.default_rng(0), 3)
+    assert all(e.prompt == f"number: {e.answer}=" and len(e.answer) == 4
+               and e.answer.isdigit() for e in examples)
+    tok = char_tokenizer()
+    text = examples[0].prompt
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("4821", add_special_tokens=False) + [tok.eos_token_id]) == "4821"
+    assert tok.stop_token_ids == (tok.eos_token_id,) and tok.chat_template is None
+
+
+def test_jsonl_task(tmp_path):
+    task = JsonlTask(TASK_FILE)
+    rows = [json.loads(line) for line in TASK_FILE.read_text().splitlines()]
+    assert [(e.prompt, e.answer) for e in task.examples] == [(r["prompt"], r["answer"])
+                                                             for r in rows]
+    assert all(e in task.examples for e in task.sample(np.random.default_rng(0), 10))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: expected"):
+        JsonlTask(bad)
+    bad.write_text('{"prompt": "a", "answer": "b"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        JsonlTask(bad)
+
+
+def test_sft_loss_matches_numpy_and_step_descends():
+    config = ModelConfig.tiny(vocab_size=16, max_seq_len=32)
+    params = init_params(config, jax.random.key(0))
+    prompts, completions = [[1, 5, 6], [1, 7]], [[8, 9, 2], [10, 2]]
+    tokens, mask = pack_completions(prompts, completions)
+    assert tokens.shape == (2, 8) and mask.sum() == 5
+    logits = np.asarray(forward(params, config, jnp.asarray(tokens)), np.float64)
+    nll = []
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        for j, target in enumerate(c):
+            z = logits[row, len(p) - 1 + j]
+            nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[target])
+    loss = float(sft_loss(params, config, jnp.asarray(tokens), jnp.asarray(mask)))
+    assert loss == pytest.approx(np.mean(nll), rel=1e-5)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+    losses = []
+    for _ in range(5):
+        params, opt_state, step_loss = sft_step(params, opt_state, jnp.asarray(tokens),
+                                                jnp.asarray(mask), config=config, tx=tx)
+        losses.append(float(step_loss))
+    assert losses[0] == pytest.approx(loss, rel=1e-5) and losses[-1] < 0.8 * losses[0]
+    with pytest.raises(ValueError, match="as many completions"):
+        pack_completions([[1]], [])
+
+
+def test_demo_end_to_end_through_hf_directories_and_resume(tmp_path):
     out = tmp_path / "run"
-    summary = demo.run_demo(demo.DemoOptions(steps=3, out=str(out), **SMALL))
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), **SMALL))
     rows = read_rows(out)
-    assert [r["version"] for r in rows] == [0, 1, 2] and summary["final_version"] == 3
-    for key in ("step", "version", "reward", "cache_hit_rate", "lr", "loss",
-                "rollout_seconds", "train_seconds"):
+    assert [r["step"] for r in rows] == [r["version"] for r in rows] == [0, 1, 2]
+    assert summary["final_version"] == 3 and summary["audit_failures"] == 0
+    assert summary["audited_samples"] == 3 * 4 * 2
+    for key in ("reward", "exact_match", "cache_hit_rate", "staleness_max", "version", "lr",
+                "loss", "audit_failed", "rollout_seconds", "train_seconds"):
         assert key in rows[0]
-    assert all(r["audit_ok"] for r in rows) and summary["audit_failures"] == 0
-    # the second rollout call of each step hits the instruction prefix cached by the first
-    assert all(r["cache_hit_rate"] > 0 for r in rows)
-    assert (out / "reward.png").stat().st_size > 0 and (out / "checkpoint").is_dir()
-    resumed = demo.run_demo(demo.DemoOptions(steps=5, out=str(out), resume=True, **SMALL))
+    # prompts share the instruction page: the second call of each step hits the radix cache
+    assert all(r["cache_hit_rate"] > 0 and r["audit_failed"] == 0 for r in rows)
+    sample = rows[0]["sample"]
+    assert sample["prompt"].startswith("number: ") and isinstance(sample["completion"], str)
+    # the policy went through HF directories with the tokenizer beside it
+    assert summary["policy"] == str(out / "sft_model")
+    for name in ("base_model", "sft_model", "final_model"):
+        assert (out / name / "config.json").is_file()
+        assert (out / name / "model.safetensors").is_file()
+        tok = load_tokenizer(out / name)
+        assert tok.encode(sample["prompt"]) == char_tokenizer().encode(sample["prompt"])
+    _, final = from_pretrained(out / "final_model")
+    restored = demo.restore_checkpoint(
+        out / "checkpoints", demo.TrainState.create(final, config=from_pretrained(
+            out / "final_model")[0]))
+    assert int(restored.version) == 3
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final),
+                                                    jax.tree.leaves(restored.params)))
+    assert (out / "demo.png").stat().st_size > 0
+    assert latest_checkpoint_version(out / "checkpoints") == 3
+    resumed = demo.run_demo(demo.DemoOptions(out=str(out), resume=True,
+                                             **dict(SMALL, steps=5)))
     rows = read_rows(out)
-    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4] and resumed["final_version"] == 5
-    schedule = demo._lr_schedule(demo.DemoOptions(steps=5, **SMALL))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and resumed["final_version"] == 5
+    assert resumed["sft_exact_match"] == summary["sft_exact_match"]
+    schedule = demo._lr_schedule(demo.DemoOptions(**SMALL))
     assert rows[3]["lr"] == pytest.approx(float(schedule(3)))
 
 
-def test_ctrl_c_stops_after_the_current_step_and_saves(tmp_path, monkeypatch):
+def test_new_run_refuses_a_previous_run_unless_resume_or_overwrite(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds a previous run; pass --resume"):
+        demo.run_demo(demo.DemoOptions(out=str(out), **SMALL))
+    with pytest.raises(ValueError, match="holds no demo run"):
+        demo.run_demo(demo.DemoOptions(out=str(tmp_path / "empty"), resume=True, **SMALL))
+    demo.run_demo(demo.DemoOptions(out=str(out), overwrite=True, **dict(SMALL, steps=1)))
+    assert [r["step"] for r in read_rows(out)] == [0]
+    assert (out / "notes.txt").read_text() == "mine"  # only the demo's own files go
+
+
+def _rows_file(path, steps, tail=""):
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in steps) + tail)
+
+
+def test_resume_cuts_metrics_to_the_checkpoint(tmp_path, capsys):
+    run = demo.RunDir(tmp_path)
+    _rows_file(run.metrics, range(7))
+    assert [r["step"] for r in run.read_rows(4)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_rows(tmp_path)] == [0, 1, 2, 3]
+    _rows_file(run.metrics, range(5), tail='{"step": 5, "rew')  # killed mid-write
+    assert [r["step"] for r in run.read_rows(5)] == [0, 1, 2, 3, 4]
+    assert "metrics.jsonl: dropped a torn last line 6" in capsys.readouterr().out
+    _rows_file(run.metrics, range(3), tail='{"step": 3, "rew')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:4: torn"):
+        run.read_rows(4)
+    _rows_file(run.metrics, [0, 1, 3])
+    with pytest.raises(ValueError, match=r"metrics.jsonl must hold steps 0..2 .* \[0, 1, 3\]"):
+        run.read_rows(3)
+    _rows_file(run.metrics, [0, 0, 1])
+    with pytest.raises(ValueError, match="must hold steps 0..1"):
+        run.read_rows(2)
+
+
+def test_bundled_task_file_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "add"
+    code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "2", "--out", str(out),
+                     *SMALL_ARGS, "--max-new-tokens", "3"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "after SFT" in text and "exported policy (HF)" in text
+    prompts = {e.prompt for e in JsonlTask(TASK_FILE).examples}
+    rows = read_rows(out)
+    assert len(rows) == 2 and all(r["sample"]["prompt"] in prompts for r in rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_after_the_current_step_and_saves(tmp_path, monkeypatch, sig):
     real = demo.train_step
     calls = {"n": 0}
 
     def interrupting(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(demo, "train_step", interrupting)
     out = tmp_path / "run"
-    summary = demo.run_demo(demo.DemoOptions(steps=10, out=str(out), **SMALL))
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
     assert summary["interrupted"] and summary["final_version"] == 2
-    assert len(read_rows(out)) == 2 and (out / "checkpoint").is_dir()
+    assert len(read_rows(out)) == 2 and latest_checkpoint_version(out / "checkpoints") == 2
+
+
+def test_second_ctrl_c_aborts_but_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    real = demo.train_step
+
+    def interrupting_twice(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "train_step", interrupting_twice)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
+    assert latest_checkpoint_version(out / "checkpoints") == 0 and not read_rows(out)
+    monkeypatch.setattr(demo, "train_step", real)
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), resume=True,
+                                             **dict(SMALL, steps=2)))
+    assert [r["step"] for r in read_rows(out)] == [0, 1] and summary["final_version"] == 2
+
+
+def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
+    """A SIGKILL at a random moment of a run (subprocess), then --resume: metrics are exactly
+    steps 0..final-1, no duplicates, and at most --checkpoint-every steps were redone."""
+    out, k = tmp_path / "run", 2
+    argv = [sys.executable, "-m", "jaxrl_cache.app.cli", "demo", "--out", str(out),
+            "--checkpoint-every", str(k), *SMALL_ARGS]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(argv + ["--steps", "40"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    target = random.Random().randint(1, 6)  # rows written before the kill
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and \
+                len((out / "metrics.jsonl").read_text().splitlines()) >= target:
+            break
+        time.sleep(0.05)
+    time.sleep(random.random() * 0.5)
+    proc.kill()
+    proc.wait()
+    written = len((out / "metrics.jsonl").read_text().splitlines())
+    saved = latest_checkpoint_version(out / "checkpoints")
+    assert saved is not None and written - saved <= k
+    final = written + 1
+    done = subprocess.run(argv + ["--resume", "--steps", str(final)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in read_rows(out)] == list(range(final))
 
 
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--steps", "0"], "positive integer"),
     (["demo", "--lr", "abc"], "positive number"),
+    (["demo", "--lr", "nan"], "positive number"),
     (["demo", "--backend", "tpu"], "invalid choice"),
     (["demo", "--group-size", "1"], "group-size must be >= 2"),
+    (["demo", "--seed", str(2**70)], "--seed must be an integer in [0, 2**32 - 1]"),
+    (["demo", "--resume", "--overwrite"], "exclude each other"),
+    (["demo", "--answer-regex", "x"], "applies to a --task file"),
+    (["demo", "--task", "/nonexistent.jsonl"], "no such file"),
     (["nope"], "invalid choice"),
 ])
 def test_cli_bad_flags_give_one_line(argv, message, capsys):
@@ -84,23 +276,25 @@ def test_cli_bad_flags_give_one_line(argv, message, capsys):
     assert message in err and "\n" not in err and "Traceback" not in err
 
 
-def test_cli_help_explains_subcommands(capsys):
+def test_cli_out_is_a_file_and_pool_too_small_give_one_line(tmp_path, capsys):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert cli.main(["demo", "--out", str(afile)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a file, not a directory" in err and "\n" not in err
+    assert cli.main(["demo", "--out", str(tmp_path / "small"), "--kv-pages", "2",
+                     "--sft-steps", "0", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "KV pages" in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     text = capsys.readouterr().out
-    assert "--resume" in text and "Ctrl-C" in text
-
-
-def test_second_ctrl_c_aborts_but_keeps_the_last_state(tmp_path, monkeypatch):
-    real = demo.train_step
-
-    def interrupting_twice(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(demo, "train_step", interrupting_twice)
-    out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        demo.run_demo(demo.DemoOptions(steps=10, out=str(out), **SMALL))
-    assert (out / "checkpoint").is_dir() and not read_rows(out)
+    parser = cli.build_parser()
+    demo_parser = next(a for a in parser._subparsers._group_actions[0].choices.values()
+                       if a.prog.endswith("demo"))
+    for action in demo_parser._actions:
+        assert action.help, action.option_strings
+    assert "--resume" in text and "Ctrl-C" in text and "--model" in text and "JSONL" in text

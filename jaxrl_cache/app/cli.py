@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -27,12 +28,32 @@ def _positive_int(text):
     return value
 
 
+def _natural_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _natural_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
+    return value
+
+
 def _positive_float(text):
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
 
@@ -42,34 +63,74 @@ def build_parser() -> argparse.ArgumentParser:
         "Attributable RL post-training in JAX: every sample carries the policy version that "
         "produced it, and prefix KV is never reused across versions."))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    demo = sub.add_parser("demo", help="train a tiny LM by GRPO on a digit task (CPU, ~3 min)",
+    demo = sub.add_parser("demo", help="SFT warm start + GRPO on a text task (CPU, ~3 min)",
                           description=(
-                              "GRPO on 'reverse the digits' with a fixed instruction prefix. "
-                              "Each step: rollout at the current version -> rewards -> audit "
-                              "-> train_step -> sync_weights. Writes metrics.jsonl, "
-                              "reward.png and a checkpoint to --out. Ctrl-C stops after the "
-                              "current step and saves."))
+                              "Trains a policy by GRPO on a text task with a verifiable reward. "
+                              "Default: a small built-in model with a character tokenizer, "
+                              "saved as a Hugging Face directory, warm-started by a short SFT, "
+                              "then GRPO on 'repeat the number' (exact match). Each step: "
+                              "rollout at the current version -> decode -> rewards -> audit "
+                              "of every sample -> train_step -> sync_weights. Writes to --out: "
+                              "run.json, metrics.jsonl, demo.png, checkpoints/, sft_model/, "
+                              "final_model/ (the exported policy). Ctrl-C or SIGTERM stops "
+                              "after the current step and saves; --resume continues."))
     from jaxrl_cache.app.demo import DemoOptions
     d = DemoOptions()
-    demo.add_argument("--steps", type=_positive_int, default=d.steps,
-                      help="total optimizer steps (= final policy version) [%(default)s]")
-    demo.add_argument("--group-size", type=_positive_int, default=d.group_size,
-                      help="samples per prompt (GRPO group) [%(default)s]")
-    demo.add_argument("--prompts-per-step", type=_positive_int, default=d.prompts_per_step,
-                      help="prompts per step [%(default)s]")
-    demo.add_argument("--rollout-calls", type=_positive_int, default=d.rollout_calls,
-                      help="rollout calls per step; later calls hit the cached prefix "
-                           "[%(default)s]")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens,
-                      help="generation budget per sample [%(default)s]")
-    demo.add_argument("--lr", type=_positive_float, default=d.lr,
-                      help="peak learning rate [%(default)s]")
-    demo.add_argument("--seed", type=int, default=d.seed, help="random seed [%(default)s]")
-    demo.add_argument("--backend", choices=["auto", "xla", "interpret", "pallas"],
-                      default=d.backend, help="attention backend [%(default)s]")
-    demo.add_argument("--out", default=d.out, help="output directory [%(default)s]")
-    demo.add_argument("--resume", action="store_true",
-                      help="continue from the checkpoint in --out (version and lr schedule)")
+    add = demo.add_argument
+    add("--model", metavar="PATH", help="start from this Hugging Face model directory "
+        "(config.json, safetensors, tokenizer.json; Llama/Mistral/Qwen2/Qwen3) instead of the "
+        "built-in model; prompts use its chat template if it has one")
+    add("--task", metavar="FILE", help='JSONL task file, one {"prompt": ..., "answer": ...} '
+        "per line (e.g. examples/tasks/arithmetic.jsonl); default: the built-in "
+        "'repeat the number' task")
+    add("--answer-regex", metavar="REGEX", help="with --task: reward 1 if the last match of "
+        "REGEX in the completion (its first group if any) equals the answer, else 0 "
+        "(GSM8K style: '####\\s*(-?[\\d.,]+)'); default: exact match of the whole "
+        "completion (whitespace stripped)")
+    add("--steps", type=_positive_int, default=d.steps,
+        help="GRPO steps (= final policy version) [%(default)s]")
+    add("--sft-steps", type=_natural_int, default=None,
+        help="at most this many supervised warm-start steps on reference answers before "
+             "GRPO; 0 skips it [300 for the built-in model, 0 with --model]")
+    add("--sft-stop-loss", type=_positive_float, default=d.sft_stop_loss,
+        help="the warm start stops early once its smoothed token loss falls below this: it "
+             "is deliberately short, GRPO does the rest [%(default)s]")
+    add("--sft-lr", type=_positive_float, default=d.sft_lr,
+        help="warm-start learning rate (Adam) [%(default)s]")
+    add("--sft-batch", type=_positive_int, default=d.sft_batch,
+        help="warm-start examples per step [%(default)s]")
+    add("--group-size", type=_positive_int, default=d.group_size,
+        help="samples per prompt (GRPO group, >= 2) [%(default)s]")
+    add("--prompts-per-step", type=_positive_int, default=d.prompts_per_step,
+        help="prompts per GRPO step [%(default)s]")
+    add("--rollout-calls", type=_positive_int, default=d.rollout_calls,
+        help="rollout calls per step; later calls hit the prefix cached by earlier ones "
+             "[%(default)s]")
+    add("--max-new-tokens", type=_positive_int, default=None,
+        help="generation budget per sample [built-in task: answer + <eos>; --task: 64]")
+    add("--temperature", type=_natural_float, default=d.temperature,
+        help="sampling temperature of rollouts and evaluation [%(default)s]")
+    add("--lr", type=_positive_float, default=d.lr, help="GRPO peak learning rate "
+        "[%(default)s]")
+    add("--warmup-steps", type=_natural_int, default=d.warmup_steps,
+        help="GRPO linear learning-rate warmup [%(default)s]")
+    add("--eval-prompts", type=_positive_int, default=d.eval_prompts,
+        help="fixed prompts scored (exact match, one sample each) before and after GRPO "
+             "[%(default)s]")
+    add("--checkpoint-every", type=_positive_int, default=d.checkpoint_every,
+        help="save a checkpoint every k GRPO steps (also at the end and on Ctrl-C/SIGTERM; "
+             "a kill -9 loses at most k steps) [%(default)s]")
+    add("--kv-pages", type=_positive_int, default=d.kv_pages,
+        help="KV pool size in pages of 8 tokens [%(default)s]")
+    add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
+    add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
+        help="attention backend [%(default)s]")
+    add("--out", default=d.out, help="output directory [%(default)s]")
+    add("--resume", action="store_true",
+        help="continue the run in --out from its latest checkpoint with its saved options "
+             "(only --steps may change); metrics.jsonl is cut to the checkpoint's steps")
+    add("--overwrite", action="store_true",
+        help="replace the previous run in --out (its demo files only)")
     bench = sub.add_parser("bench", help="run the CPU benchmark suite and print its figures",
                            description="Runs benchmarks/ with pytest-benchmark and prints a "
                                        "table of the figures (ratios measured side by side).")
@@ -89,28 +150,37 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
 
 def _demo(args) -> int:
     from jaxrl_cache.app.demo import DemoOptions, run_demo
+    from jaxrl_cache.errors import CacheFullError
     try:
-        opts = DemoOptions(steps=args.steps, group_size=args.group_size,
-                           prompts_per_step=args.prompts_per_step,
-                           rollout_calls=args.rollout_calls, max_new_tokens=args.max_new_tokens,
-                           lr=args.lr, seed=args.seed, backend=args.backend, out=args.out,
-                           resume=args.resume)
+        opts = DemoOptions(**{f.name: getattr(args, f.name)
+                              for f in dataclasses.fields(DemoOptions)})
         s = run_demo(opts)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"jaxrl-cache demo: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, CacheFullError) as e:  # CheckpointError, ConfigError too
+        print(f"jaxrl-cache demo: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("jaxrl-cache demo: aborted; the last checkpoint is kept (--resume continues)",
+              file=sys.stderr)
+        return 130
+    rl_exact = "n/a (interrupted)" if s["rl_exact_match"] is None else \
+        f"{s['rl_exact_match']:.3f}"
     saved = s["prefill_tokens_saved"] / max(s["prompt_tokens"], 1)
     _print_table([
-        ("steps run / final version", f"{s['steps_run']} / {s['final_version']}"),
+        ("task / policy", f"{s['task']} / {s['policy']}"),
+        ("GRPO steps run / final version", f"{s['steps_run']} / {s['final_version']}"),
         ("mean reward, first -> last", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
+        ("exact match in training, first -> last",
+         f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"),
+        (f"exact match (eval, {s['eval_prompts']} prompts)",
+         f"after SFT {s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),
         ("tokens generated", f"{s['generated_tokens']:,}"),
-        ("prompt tokens", f"{s['prompt_tokens']:,}"),
         ("prefill saved (radix + group)", f"{s['prefill_tokens_saved']:,} ({saved:.1%})"),
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),
         ("attribution audit", f"{s['audited_samples'] - s['audit_failures']:,} / "
                               f"{s['audited_samples']:,} samples reproduce their logprobs"),
         ("wall time", f"{s['seconds']:.1f} s"),
-        ("outputs", f"{s['out']}/metrics.jsonl, reward.png, checkpoint/"),
+        ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
+        ("exported policy (HF)", s["exported"]),
     ], "jaxrl-cache demo summary" + (" (interrupted)" if s["interrupted"] else ""))
     return 0 if s["audit_failures"] == 0 else 1
 

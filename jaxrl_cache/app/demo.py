@@ -1,187 +1,463 @@
-"""The main job: GRPO on the embedded digit task, end to end on CPU.
+"""The main job: SFT warm start -> GRPO on a text task, end to end, through HF directories.
 
-Each step: rollout at the current version (in several calls, so later calls reuse the
-instruction prefix cached by the first) -> rewards -> audit -> train_step -> sync_weights.
-Writes metrics.jsonl, a plot and a checkpoint into the output directory.
+1. Policy: `--model PATH` (a Hugging Face directory with its tokenizer), or the built-in
+   small model with a character tokenizer, written to `out/base_model` and read back.
+2. Warm start (`--sft-steps`): teacher-forced cross-entropy on reference answers, saved as
+   `out/sft_model`. RL starts from the HF directory read back (`from_pretrained`).
+3. GRPO: each step, rollout at the current version (several calls: later ones reuse the
+   prompt prefix cached by the first) -> decode -> rewards on text -> attribution audit of
+   every sample -> train_step -> sync_weights. One metrics.jsonl row per step.
+4. Checkpoints every `--checkpoint-every` steps, at the end, and on Ctrl-C/SIGTERM (the save
+   itself defers signals); `--resume` continues exactly; the final policy is exported with
+   `save_pretrained` to `out/final_model`.
+
+Files in `out`: run.json (options, written first), metrics.jsonl, checkpoints/,
+base_model/, sft_model/, final_model/, demo.png. A directory holding a run is refused
+unless --resume or --overwrite.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import shutil
 import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
 
+from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
+from jaxrl_cache.interrupts import deferred_signals
+from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
+                               save_pretrained)
 from jaxrl_cache.rl.audit import audit_attribution
-from jaxrl_cache.rl.checkpoint import restore_checkpoint, save_checkpoint
-from jaxrl_cache.rollout import CacheConfig, RolloutEngine
-from jaxrl_cache.models.llama import ModelConfig, init_params
-from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.app.tasks import EOS, ReverseDigits
+from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
+                                       save_checkpoint)
+from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+
+RUN_FILE, METRICS, CHECKPOINTS, PLOT = "run.json", "metrics.jsonl", "checkpoints", "demo.png"
+OUTPUTS = (RUN_FILE, METRICS, CHECKPOINTS, PLOT, "base_model", "sft_model", "final_model")
+MAX_SEED = 2**32 - 1
+PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
-    steps: int = 200
+    steps: int = 120  # GRPO steps (= final policy version)
+    sft_steps: int | None = None  # at most; None: 300 for the built-in model, 0 with --model
+    sft_stop_loss: float = 0.5  # the warm start stops once its smoothed token loss is below
+    sft_lr: float = 5e-3
+    sft_batch: int = 32
     group_size: int = 8
-    prompts_per_step: int = 16
-    rollout_calls: int = 4  # rollout calls per step (later ones hit the cached prefix)
-    max_new_tokens: int = 5
+    prompts_per_step: int = 8
+    rollout_calls: int = 2  # rollout calls per step (later ones hit the cached prefix)
+    max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --task
+    temperature: float = 1.0
     lr: float = 3e-3
-    warmup_steps: int = 10
+    warmup_steps: int = 5
+    eval_prompts: int = 64
+    checkpoint_every: int = 10
+    kv_pages: int = 512
     seed: int = 0
     backend: str = "auto"
+    model: str | None = None
+    task: str | None = None
+    answer_regex: str | None = None
     out: str = "runs/demo"
     resume: bool = False
+    overwrite: bool = False
 
     def __post_init__(self):
-        for name in ("steps", "group_size", "prompts_per_step", "rollout_calls",
-                     "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")
+        for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
+                     "eval_prompts", "checkpoint_every", "kv_pages", "max_new_tokens",
+                     "sft_steps", "warmup_steps"):
+            value = getattr(self, name)
+            low = 0 if name in ("sft_steps", "warmup_steps") else 1
+            if value is None and name in ("sft_steps", "max_new_tokens"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
+                                 f"got {value!r}")
         if self.group_size < 2:
             raise ValueError("--group-size must be >= 2: GRPO advantages compare samples of "
                              "a group")
         if self.prompts_per_step % self.rollout_calls:
             raise ValueError(f"--prompts-per-step ({self.prompts_per_step}) must be a multiple "
                              f"of --rollout-calls ({self.rollout_calls})")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-
-
-def model_config(task: ReverseDigits) -> ModelConfig:
-    return ModelConfig.tiny(vocab_size=task.vocab_size, max_seq_len=64)
+        for name in ("lr", "sft_lr", "sft_stop_loss"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"--temperature must be a finite number >= 0, got "
+                             f"{self.temperature}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {self.seed!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        if self.answer_regex is not None and self.task is None:
+            raise ValueError("--answer-regex applies to a --task file; the built-in task "
+                             "scores exact matches")
+        Reward(self.answer_regex)  # validates the regex
+        out = pathlib.Path(self.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file, not a directory")
 
 
 def _lr_schedule(opts: DemoOptions):
-    return optax.warmup_constant_schedule(0.0, opts.lr, opts.warmup_steps)
+    return optax.warmup_constant_schedule(0.0, opts.lr, max(opts.warmup_steps, 1))
 
 
-def _plot(rows: list[dict], path: pathlib.Path) -> None:
+def builtin_model_config(vocab_size: int) -> ModelConfig:
+    """The demo's own policy: a ~0.2M-parameter Qwen2-style decoder (qkv bias, tied)."""
+    return ModelConfig.tiny(vocab_size=vocab_size, max_seq_len=128)
+
+
+class RunDir:
+    """The output directory of one run; see the module doc for its files."""
+
+    def __init__(self, out):
+        self.path = pathlib.Path(out)
+        self.run_file = self.path / RUN_FILE
+        self.metrics = self.path / METRICS
+        self.checkpoints = self.path / CHECKPOINTS
+
+    def holds_run(self) -> bool:
+        return any((self.path / name).exists() for name in OUTPUTS)
+
+    def clear(self) -> None:
+        """Removes this demo's outputs (and nothing else) from the directory."""
+        for name in OUTPUTS:
+            target = self.path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+
+    def read_rows(self, version: int) -> list[dict]:
+        """The metrics rows of steps 0..version-1, checked and in order; rewrites the file to
+        exactly those (later rows belong to steps the checkpoint does not include)."""
+        lines = self.metrics.read_text().splitlines() if self.metrics.exists() else []
+        rows = []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines) and len(rows) >= version:
+                    tqdm.write(f"{self.metrics}: dropped a torn last line {number} (a step "
+                               f"after the checkpoint, version {version})")
+                    break
+                raise ValueError(f"{self.metrics}:{number}: torn or corrupted line "
+                                 f"{line[:60]!r}; cannot resume from version {version}") \
+                    from None
+            rows.append(row)
+        kept = rows[:version]
+        if [r.get("step") for r in kept] != list(range(version)):
+            have = [r.get("step") for r in rows]
+            raise ValueError(f"{self.metrics} must hold steps 0..{version - 1} in order to "
+                             f"resume from the checkpoint at version {version}; it holds "
+                             f"{_ranges(have)}")
+        tmp = self.metrics.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.metrics)
+        return kept
+
+    def append_row(self, row: dict) -> None:
+        """One whole line per write call: a kill leaves at most a torn last line."""
+        fd = os.open(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(row) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def _ranges(values) -> str:
+    if not values:
+        return "no rows"
+    if values == list(range(values[0], values[0] + len(values))):
+        return f"steps {values[0]}..{values[-1]}"
+    return f"steps {values[:12]}{'...' if len(values) > 12 else ''}"
+
+
+def _prepare(opts: DemoOptions) -> tuple[DemoOptions, RunDir, dict | None]:
+    """Checks the output directory against --resume/--overwrite; returns the options to run
+    with (a resumed run keeps its saved options except --steps) and the saved run record."""
+    run = RunDir(opts.out)
+    if opts.resume:
+        if not run.run_file.exists():
+            raise ValueError(f"--resume: {run.path} holds no demo run (no {RUN_FILE})")
+        record = json.loads(run.run_file.read_text())
+        saved = {k: v for k, v in record["options"].items()
+                 if k not in ("steps", "resume", "overwrite", "out")}
+        return dataclasses.replace(opts, **saved), run, record
+    if run.holds_run():
+        if not opts.overwrite:
+            raise ValueError(f"--out {run.path} holds a previous run; pass --resume to "
+                             f"continue it or --overwrite to replace it")
+        run.clear()
+    return opts, run, None
+
+
+def _make_task(opts: DemoOptions):
+    if opts.task is None:
+        return CopyDigits()
+    return JsonlTask(opts.task, Reward(opts.answer_regex))
+
+
+def _encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Plain text, or the model's chat template (one user message) when it has one."""
+    if tokenizer.chat_template is not None:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pathlib.Path:
+    """SFT of the HF model at `base` on reference answers; saved to out/sft_model."""
+    config, params = from_pretrained(base)
+    tokenizer = load_tokenizer(base)
+    tx = optax.adam(opts.sft_lr)
+    opt_state = tx.init(params)
+    rng = np.random.default_rng([opts.seed, 1])
+    stop = tokenizer.stop_token_ids[:1]
+    smoothed, steps = None, 0
+    bar = tqdm(range(opts.sft_steps), desc="SFT warm start", unit="step", dynamic_ncols=True,
+               leave=False)
+    for steps in bar:
+        examples = task.sample(rng, opts.sft_batch)
+        prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
+        answers = [tokenizer.encode(e.answer, add_special_tokens=False) + list(stop)
+                   for e in examples]
+        tokens, mask = pack_completions(prompts, answers)
+        params, opt_state, loss = sft_step(params, opt_state, jnp.asarray(tokens),
+                                           jnp.asarray(mask), config=config, tx=tx)
+        smoothed = float(loss) if smoothed is None else 0.8 * smoothed + 0.2 * float(loss)
+        bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
+        if smoothed < opts.sft_stop_loss:
+            break
+    bar.close()
+    tqdm.write(f"SFT warm start: stopped after {steps + 1} steps at token loss {smoothed:.3f} "
+               f"(target {opts.sft_stop_loss})")
+    return save_pretrained(run.path / "sft_model", config, params, tokenizer=tokenizer)
+
+
+def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
+    """The HF directory RL starts from (built-in model written first if no --model)."""
+    if opts.model is not None:
+        base = pathlib.Path(opts.model)
+    else:
+        tokenizer = char_tokenizer()
+        config = builtin_model_config(tokenizer.vocab_size)
+        params = init_params(config, jax.random.key(opts.seed))
+        base = save_pretrained(run.path / "base_model", config, params, tokenizer=tokenizer)
+    sft_steps = opts.sft_steps if opts.sft_steps is not None else (
+        0 if opts.model is not None else 300)
+    return _warm_start(dataclasses.replace(opts, sft_steps=sft_steps), run, task, base) \
+        if sft_steps else base
+
+
+class _Stop:
+    """SIGINT/SIGTERM: finish the current step, save, exit. A second SIGINT aborts at once
+    (the last checkpoint stays; a save in progress completes first: it defers signals)."""
+
+    def __init__(self):
+        self.requested = None
+
+    def __call__(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        tqdm.write(f"{self.requested}: finishing the current step, then saving "
+                   f"(Ctrl-C again to abort)")
+
+
+def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> float:
+    """Exact-match success on `eval_prompts` fixed prompts, one sample each."""
+    examples = task.sample(np.random.default_rng([opts.seed, 2]), opts.eval_prompts)
+    batch = engine.rollout(params, version, _encode_prompts(tokenizer, [e.prompt for e in
+                                                                        examples]),
+                           dataclasses.replace(sampling, n=1), rng=key)
+    return float(np.mean([task.reward(tokenizer.decode(s.output_ids), examples[s.group].answer)
+                          == 1.0 for s in batch.samples]))
+
+
+def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-    for ax, key, label in zip(axes, ("reward", "cache_hit_rate", "version"),
-                              ("mean reward", "prefix cache hit rate", "policy version")):
+    fig, axes = plt.subplots(4, 1, figsize=(7, 8.5), sharex=True)
+    ax = axes[0]
+    ax.plot(steps, [r["reward"] for r in rows], label="mean reward", alpha=0.8)
+    ax.plot(steps, [r["exact_match"] for r in rows], label="exact match", alpha=0.8)
+    if sft_exact is not None:
+        ax.axhline(sft_exact, color="gray", ls="--", lw=1, label="after SFT (eval)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="lower right", fontsize=8)
+    for ax, key, label in zip(axes[1:], ("cache_hit_rate", "staleness_max", "version"),
+                              ("prefix cache hit rate", "staleness (max)", "policy version")):
         ax.plot(steps, [r[key] for r in rows])
         ax.set_ylabel(label)
+        if key == "cache_hit_rate":
+            ax.set_ylim(-0.02, 1.02)
+    for ax in axes:
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("step")
-    fig.suptitle("jaxrl_cache demo: GRPO on reverse-digits")
+    axes[-1].set_xlabel("GRPO step")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def run_demo(opts: DemoOptions) -> dict:
-    """Runs the demo; returns the summary. Ctrl-C stops after the current step and saves."""
-    task = ReverseDigits()
-    config = model_config(task)
-    out = pathlib.Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_dir, metrics_path = out / "checkpoint", out / "metrics.jsonl"
-    state = TrainState.create(init_params(config, jax.random.key(opts.seed)), make_optimizer(),
-                              config=config, lr_schedule=_lr_schedule(opts))
-    rows = []
-    if opts.resume:
-        if not ckpt_dir.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-        state = restore_checkpoint(ckpt_dir, state)
-        if metrics_path.exists():
-            rows = [json.loads(line) for line in metrics_path.read_text().splitlines()
-                    if json.loads(line)["step"] < int(state.version)]
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    start_version = int(state.version)
-    engine = RolloutEngine(config, CacheConfig(num_pages=512, page_size=16),
-                           backend=opts.backend, version=start_version)
-    sampling = SamplingParams(n=opts.group_size, max_new_tokens=opts.max_new_tokens,
-                              temperature=1.0, stop_token_ids=(EOS,))
-    stop = {"requested": False}
-
-    def on_sigint(signum, frame):
-        if stop["requested"]:  # a second Ctrl-C aborts at once (the last state is still saved)
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        tqdm.write("Ctrl-C: finishing the current step, then saving (again to abort)")
-
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0)
+    """Runs (or resumes) the demo; returns the summary. See the module doc."""
     t_start = time.perf_counter()
+    opts, run, record = _prepare(opts)
+    task = _make_task(opts)
+    start_version = None if record is None else latest_checkpoint_version(run.checkpoints)
+    if start_version is None:  # a fresh run (or one killed before its first checkpoint)
+        run.clear()
+        run.path.mkdir(parents=True, exist_ok=True)
+        record = dict(options=dataclasses.asdict(opts))
+        run.run_file.write_text(json.dumps(record, indent=2))
+        run.metrics.touch()
+        policy = _initial_policy(opts, run, task)
+        record = dict(record, policy=str(policy))
+        run.run_file.write_text(json.dumps(record, indent=2))
+    policy = pathlib.Path(record["policy"])
+    config, params = from_pretrained(policy)
+    tokenizer = load_tokenizer(policy)
+    max_new = opts.max_new_tokens or (task.num_digits + 1 if opts.task is None else 64)
+    sampling = SamplingParams(n=opts.group_size, max_new_tokens=max_new,
+                              temperature=opts.temperature,
+                              stop_token_ids=tokenizer.stop_token_ids)
+    state = TrainState.create(params, make_optimizer(), config=config,
+                              lr_schedule=_lr_schedule(opts))
+    if start_version is None:
+        save_checkpoint(run.checkpoints, state)
+        rows, start_version = [], 0
+    else:
+        state = restore_checkpoint(run.checkpoints, state)
+        start_version = int(state.version)
+        rows = run.read_rows(start_version)
+        tqdm.write(f"resumed {run.path} at version {start_version}")
+    engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
+                           backend=opts.backend, version=start_version)
+    seed_key = jax.random.key(opts.seed)
+    if "sft_exact_match" not in record:
+        record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
+                                              task, opts, sampling,
+                                              jax.random.fold_in(seed_key, 2**30))
+        run.run_file.write_text(json.dumps(record, indent=2))
+    tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
+               f"{record['sft_exact_match']:.3f}")
+
+    stop = _Stop()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0)
+    per_call = opts.prompts_per_step // opts.rollout_calls
+    saved_version = start_version
     bar = tqdm(range(start_version, opts.steps), initial=start_version, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
     try:
         for step in bar:
             version = int(state.version)
-            rng = np.random.default_rng([opts.seed, step])
-            prompts = task.sample_prompts(rng, opts.prompts_per_step)
-            per_call = opts.prompts_per_step // opts.rollout_calls
+            examples = task.sample(np.random.default_rng([opts.seed, 0, step]),
+                                   opts.prompts_per_step)
+            prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
             t0 = time.perf_counter()
             batches = [engine.rollout(state.params, version, prompts[i:i + per_call], sampling,
-                                      rng=jax.random.fold_in(jax.random.key(opts.seed),
-                                                             step * 1000 + i))
+                                      rng=jax.random.fold_in(seed_key, step * 1000 + i))
                        for i in range(0, opts.prompts_per_step, per_call)]
             rollout_s = time.perf_counter() - t0
-            samples = [s for b in batches for s in b.samples]
-            rewards = [task.reward(s.prompt_ids, s.output_ids) for s in samples]
-            audit_ok = True
+            texts, rewards = [], []
+            for first, b in zip(range(0, opts.prompts_per_step, per_call), batches):
+                for s in b.samples:
+                    texts.append((examples[first + s.group], tokenizer.decode(s.output_ids)))
+                    rewards.append(task.reward(texts[-1][1], texts[-1][0].answer))
+            audit_failed = 0
             for b in batches:
                 report = audit_attribution(b, {version: state.params}, config)
                 totals["audited"] += report.num_samples
-                totals["audit_failed"] += len(report.flagged)
-                audit_ok &= report.ok
+                audit_failed += len(report.flagged)
+            totals["audit_failed"] += audit_failed
             t1 = time.perf_counter()
-            state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
-            ack = engine.sync_weights(state.params, state.version)
+            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
+            ack = engine.sync_weights(new_state.params, new_state.version)
             train_s = time.perf_counter() - t1
             step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
                                generated=sum(b.generated_tokens for b in batches),
                                reused=sum(b.reused_tokens for b in batches),
                                cached=sum(b.cached_tokens for b in batches))
-            prompt_tokens, generated = step_totals["prompt"], step_totals["generated"]
+            example, completion = texts[0]
             row = dict(step=step, version=version, next_version=ack.version,
                        reward=float(np.mean(rewards)),
                        exact_match=float(np.mean([r == 1.0 for r in rewards])),
-                       cache_hit_rate=step_totals["cached"] / prompt_tokens,
-                       prefill_saved=step_totals["reused"] / prompt_tokens,
+                       cache_hit_rate=step_totals["cached"] / step_totals["prompt"],
+                       prefill_saved=step_totals["reused"] / step_totals["prompt"],
+                       staleness_max=int(m["staleness_max"]),
                        lr=float(m["lr"]), loss=float(m["loss"]),
                        clip_fraction=float(m["clip_fraction"]),
-                       invalidated_pages=ack.invalidated_pages, audit_ok=audit_ok,
-                       generated_tokens=generated, rollout_seconds=rollout_s,
-                       train_seconds=train_s)
-            rows.append(row)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                       invalidated_pages=ack.invalidated_pages,
+                       audit_failed=audit_failed, generated_tokens=step_totals["generated"],
+                       rollout_seconds=rollout_s, train_seconds=train_s,
+                       sample=dict(prompt=example.prompt, completion=completion,
+                                   answer=example.answer))
+            with deferred_signals():  # the state and its metrics row move together
+                run.append_row(row)
+                rows.append(row)
+                state = new_state
             for key, value in step_totals.items():
                 totals[key] += value
-            bar.set_postfix(v=version, reward=f"{row['reward']:.3f}",
-                            hit=f"{row['cache_hit_rate']:.2f}",
-                            tok_s=f"{generated / rollout_s:.0f}")
-            if stop["requested"]:
-                bar.write(f"interrupted: stopping after step {step} and saving")
+            bar.set_postfix(v=version, reward=f"{row['reward']:.2f}",
+                            exact=f"{row['exact_match']:.2f}",
+                            hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
+            if step % 20 == 0 or step == opts.steps - 1:
+                tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
+                           f"(answer {example.answer!r})")
+            if int(state.version) % opts.checkpoint_every == 0:
+                with deferred_signals():
+                    save_checkpoint(run.checkpoints, state)
+                saved_version = int(state.version)
+            if stop.requested:
+                bar.write(f"{stop.requested}: stopping after step {step}")
                 break
     finally:
         bar.close()
-        signal.signal(signal.SIGINT, previous_handler)
-        save_checkpoint(ckpt_dir, state)
-        if rows:
-            _plot(rows, out / "reward.png")
+        try:
+            with deferred_signals():  # the final save completes even under a second Ctrl-C
+                if int(state.version) != saved_version:
+                    save_checkpoint(run.checkpoints, state)
+        finally:  # after the section: it reinstalls the handlers it found on entry
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    final_version = int(state.version)
+    rl_exact = None if stop.requested else _evaluate(
+        engine, state.params, final_version, tokenizer, task, opts, sampling,
+        jax.random.fold_in(seed_key, 2**30))
+    exported = save_pretrained(run.path / "final_model", config, state.params,
+                               tokenizer=tokenizer)
+    title = f"jaxrl_cache demo: SFT -> GRPO on {task.name}"
+    if rows:
+        _plot(rows, run.path / PLOT, title, record["sft_exact_match"])
     window = max(1, min(10, len(rows) // 4))
+    mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
     return dict(
-        steps_run=int(state.version) - start_version, final_version=int(state.version),
-        reward_first=float(np.mean([r["reward"] for r in rows[:window]])) if rows else 0.0,
-        reward_last=float(np.mean([r["reward"] for r in rows[-window:]])) if rows else 0.0,
-        generated_tokens=totals["generated"], prompt_tokens=totals["prompt"],
-        prefill_tokens_saved=totals["reused"], radix_cached_tokens=totals["cached"],
-        audited_samples=totals["audited"], audit_failures=totals["audit_failed"],
-        seconds=time.perf_counter() - t_start, out=str(out), interrupted=stop["requested"])
+        task=task.name, policy=str(policy), steps_run=final_version - start_version,
+        final_version=final_version, reward_first=mean("reward", rows[:window]),
+        reward_last=mean("reward", rows[-window:]),
+        exact_first=mean("exact_match", rows[:window]),
+        exact_last=mean("exact_match", rows[-window:]),
+        sft_exact_match=record["sft_exact_match"], rl_exact_match=rl_exact,
+        eval_prompts=opts.eval_prompts, generated_tokens=totals["generated"],
+        prompt_tokens=totals["prompt"], prefill_tokens_saved=totals["reused"],
+        radix_cached_tokens=totals["cached"], audited_samples=totals["audited"],
+        audit_failures=totals["audit_failed"], seconds=time.perf_counter() - t_start,
+        out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)

@@ -1,57 +1,132 @@
-"""An embedded task with a verifiable reward: reverse a short digit string.
+"""Demo tasks: text prompts with reference answers and a verifiable reward on decoded text.
 
-Every prompt is BOS + a fixed instruction prefix + the digits + SEP, so all prompts share a
-long prefix (the radix cache serves it) and the n samples of a group share the whole prompt.
+A task hands out `Example(prompt, answer)` pairs; the reward compares a decoded completion
+with the answer:
+
+- exact match (default): 1.0 if the completion equals the answer, both stripped of
+  surrounding whitespace, else 0.0;
+- with `answer_regex`: the last match of the regex in the completion (its first group if it
+  has one, else the whole match) is compared the same way; no match scores 0.0. GSM8K-style
+  tasks use e.g. `####\\s*(-?[\\d,.]+)`.
+
+`JsonlTask` reads a file of `{"prompt": ..., "answer": ...}` lines; `CopyDigits` is the
+built-in task of `jaxrl-cache demo` (generated, unlimited). `char_tokenizer` builds the
+character-level tokenizer the demo's own model uses.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import re
+import string
 
 import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
-PAD, BOS, EOS, SEP = 0, 1, 2, 3
-DIGIT0 = 4  # digits 0-9 are tokens 4..13
-WORD0 = 14  # instruction "words" are tokens 14..vocab-1
+from jaxrl_cache.models import Tokenizer
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
 
 
 @dataclasses.dataclass(frozen=True)
-class ReverseDigits:
+class Example:
+    prompt: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """Exact match of the (regex-extracted) completion with the answer; see the module doc."""
+    answer_regex: str | None = None
+
+    def __post_init__(self):
+        if self.answer_regex is not None:
+            try:
+                re.compile(self.answer_regex)
+            except re.error as e:
+                raise ValueError(f"--answer-regex {self.answer_regex!r} is not a valid "
+                                 f"regular expression: {e}") from None
+
+    def extract(self, completion: str) -> str | None:
+        if self.answer_regex is None:
+            return completion.strip()
+        matches = list(re.finditer(self.answer_regex, completion))
+        if not matches:
+            return None
+        last = matches[-1]
+        return (last.group(1) if last.re.groups else last.group(0)).strip()
+
+    def __call__(self, completion: str, answer: str) -> float:
+        return float(self.extract(completion) == answer.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyDigits:
+    """'number: 4821=' -> '4821'. Every prompt starts with the same instruction (the
+    radix cache serves it); the n samples of a group share the whole prompt. Deliberately
+    easy for a small transformer (an attention copy at a fixed offset): a short supervised
+    warm start gets part of the way, GRPO on exact match does the rest. (A longer
+    instruction, or more text between the number and its copy, slows the small model's warm
+    start markedly: the copy offset is then harder to find.)"""
     num_digits: int = 4
-    prefix_len: int = 46  # instruction tokens after BOS
-    vocab_size: int = 32
-    seed: int = 1234  # fixes the instruction text
+    instruction: str = "number: "
+    reward: Reward = Reward()
 
-    @property
-    def prefix(self) -> list[int]:
-        rng = np.random.default_rng(self.seed)
-        return [BOS] + rng.integers(WORD0, self.vocab_size, self.prefix_len).tolist()
+    name = "copy-digits"
 
-    @property
-    def prompt_len(self) -> int:
-        return self.prefix_len + 1 + self.num_digits + 1
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.num_digits + 1  # the reversed digits, then EOS
-
-    def sample_prompts(self, rng: np.random.Generator, count: int) -> list[list[int]]:
+    def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
         digits = rng.integers(0, 10, (count, self.num_digits))
-        return [self.prefix + (DIGIT0 + d).tolist() + [SEP] for d in digits]
+        numbers = ["".join(map(str, d)) for d in digits]
+        return [Example(f"{self.instruction}{x}=", x) for x in numbers]
 
-    def target(self, prompt) -> list[int]:
-        digits = list(prompt[-1 - self.num_digits:-1])
-        return digits[::-1] + [EOS]
 
-    def reward(self, prompt, output) -> float:
-        """In [0, 1]: the mean over target positions (reversed digits, then EOS) of 1 for the
-        right token, and for a wrong digit in a digit slot 0.5 * (1 - |got - want| / 9), a
-        dense signal that lets learning start from a random policy."""
-        target = self.target(prompt)
-        score = 0.0
-        for i, want in enumerate(target):
-            got = output[i] if i < len(output) else None
-            if got == want:
-                score += 1.0
-            elif got is not None and i < self.num_digits and DIGIT0 <= got < DIGIT0 + 10:
-                score += 0.5 * (1.0 - abs(got - want) / 9.0)
-        return score / len(target)
+class JsonlTask:
+    """Examples from a JSONL file: one `{"prompt": str, "answer": str}` object per line
+    (blank lines skipped). `sample` draws rows uniformly with replacement."""
+
+    def __init__(self, path, reward: Reward = Reward()):
+        self.path = pathlib.Path(path)
+        self.reward = reward
+        self.name = self.path.name
+        if not self.path.is_file():
+            raise ValueError(f"--task {self.path}: no such file")
+        self.examples = []
+        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{self.path}:{number}: not valid JSON ({e.msg})") from None
+            if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+                    and isinstance(row.get("answer"), str)):
+                raise ValueError(f'{self.path}:{number}: expected {{"prompt": str, '
+                                 f'"answer": str}}, got {line[:80]!r}')
+            self.examples.append(Example(row["prompt"], row["answer"]))
+        if not self.examples:
+            raise ValueError(f"--task {self.path}: no examples")
+
+    def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
+        return [self.examples[i] for i in rng.integers(0, len(self.examples), count)]
+
+
+def char_tokenizer() -> Tokenizer:
+    """One token per printable ASCII character (and newline), after <pad> <bos> <eos> <unk>.
+
+    Encoding prepends <bos>; decoding joins characters and drops the special tokens; <eos>
+    is the stop token. Saved beside the model it is an ordinary Hugging Face tokenizer.json.
+    """
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {token: i for i, token in enumerate(list(SPECIALS) + chars)}
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"),
+                                                 behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIALS))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    config = dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                  tokenizer_class="PreTrainedTokenizerFast")
+    return Tokenizer(backend, config, None, [vocab["<eos>"]])
