@@ -10,6 +10,12 @@ Other threads never run Python signal handlers, so there the section does nothin
 whose disposition is not a Python callable (SIG_DFL, SIG_IGN) are left alone: they never raise
 inside Python. Not covered: a second signal within the microseconds of the handler swap itself.
 
+A long call can open a window where signals are delivered at once: inside the outermost
+section, `allow_signals(fn, *args)` runs fn so that a signal landing in fn's frames (or
+below) is handed to its handler immediately, unless a nested section is open there. So a
+public call can hold a lock for a long generation, stay interruptible inside it, and still
+never be interrupted between taking and releasing the lock.
+
 Cost: a section swaps handlers through the C-level `_signal` functions (`signal.signal` wraps
 each call in enum conversions, about 100x slower), so one section is about a microsecond:
 one sigaction to install and one to restore per Python-handled signal.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import _signal
 import signal
+import sys
 import threading
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
@@ -27,17 +34,45 @@ class _State:
     owner = None  # the outermost open section (main thread only)
     saved: dict = {}  # signal -> handler to restore
     pending: list = []  # (signum, frame) received while deferred
+    allowed = None  # frame of the allow_signals call whose callees take signals at once
+    depth = 0  # nested sections open inside the allowed window
 
 
 _state = _State()
 
 
+def _in_window(frame) -> bool:
+    """True if `frame` runs inside the allow_signals window and no nested section is open."""
+    marker = _state.allowed
+    if marker is None or _state.depth:
+        return False
+    while frame is not None:
+        if frame is marker:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _record(signum, frame):
+    if _in_window(frame):
+        handler = _state.saved.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+        return
     _state.pending.append((signum, frame))
+
+
+def _deliver_pending() -> None:
+    pending, _state.pending = _state.pending, []
+    for signum, frame in pending:
+        handler = _state.saved.get(signum)
+        if callable(handler):
+            handler(signum, frame)
 
 
 def _install(owner) -> None:
     _state.owner, _state.saved, _state.pending = owner, {}, []
+    _state.allowed, _state.depth = None, 0
     for sig in _SIGNALS:
         handler = _signal.getsignal(sig)
         if callable(handler) and handler is not _record:
@@ -48,7 +83,7 @@ def _install(owner) -> None:
 def _uninstall() -> list:
     """Restores the handlers; returns the signals recorded meanwhile with their handlers."""
     saved, pending = _state.saved, _state.pending
-    _state.owner = None
+    _state.owner, _state.allowed, _state.depth = None, None, 0
     for sig, handler in saved.items():
         _signal.signal(sig, handler)
     return [(saved.get(signum), signum, frame) for signum, frame in pending]
@@ -58,7 +93,11 @@ class deferred_signals:
     """`with deferred_signals(): ...` runs the body with SIGINT/SIGTERM deferred (see module)."""
 
     def __enter__(self):
-        if _state.owner is not None or threading.get_ident() != threading.main_thread().ident:
+        if threading.get_ident() != threading.main_thread().ident:
+            return self
+        if _state.owner is not None:
+            _state.depth += 1  # nested: defers even inside an allow_signals window
+            self._nested = True
             return self
         try:
             _install(self)
@@ -67,9 +106,27 @@ class deferred_signals:
             raise
         return self
 
+    _nested = False
+
     def __exit__(self, *exc) -> bool:
+        if self._nested:
+            self._nested = False
+            _state.depth -= 1
+            if _state.pending and _in_window(sys._getframe()):
+                _deliver_pending()  # what arrived during the nested commit, right after it
+            return False
         if _state.owner is self:
             for handler, signum, frame in _uninstall():
                 if callable(handler):
                     handler(signum, frame)
         return False
+
+
+def allow_signals(fn, *args, **kwargs):
+    """Runs fn(*args, **kwargs) with signals delivered at once inside it (see module doc);
+    outside a deferred section, or off the main thread, simply calls it."""
+    if _state.owner is None or threading.get_ident() != threading.main_thread().ident:
+        return fn(*args, **kwargs)
+    _state.allowed = sys._getframe()
+    _deliver_pending()  # a signal that arrived just before the window opens: raise now
+    return fn(*args, **kwargs)

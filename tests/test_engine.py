@@ -304,3 +304,32 @@ def test_compiles_once_per_shape_bucket(monkeypatch):
     run(len(calls), 7)
     assert (real_prefill._cache_size() - sizes[0],
             real_decode._cache_size() - sizes[1]) == compiled
+
+
+def test_resident_params_are_copies_of_the_callers_arrays():
+    """numpy leaves mutated and jax leaves deleted after the sync change nothing."""
+    params = varied_params(0)
+    want = [dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS]
+    mine = jax.tree.map(lambda x: np.array(x), params)  # numpy: device_put may alias these
+    engine = make_engine()
+    engine.sync_weights(mine, 0)
+    for leaf in jax.tree.leaves(mine):
+        leaf[...] = 0.0
+    batch = engine.rollout(mine, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == want
+    other = jax.tree.map(jnp.array, varied_params(1))
+    engine.sync_weights(other, 1)
+    for leaf in jax.tree.leaves(other):
+        leaf.delete()  # e.g. donated to the next train step
+    batch = engine.rollout(other, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == [
+        dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
+
+
+def test_non_finite_params_are_refused_at_sync():
+    engine = make_engine()
+    bad = jax.tree.map(lambda x: x, varied_params(0))
+    bad["embed"] = bad["embed"].at[0, 0].set(jnp.nan)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        engine.sync_weights(bad, 0)
+    assert engine._weights.params is None and engine.version == 0

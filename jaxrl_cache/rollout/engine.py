@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxrl_cache.cache import CacheStats, RadixCache
 from jaxrl_cache.errors import CacheFullError, VersionError
+from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
 from jaxrl_cache.rollout import core, scheduler
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -131,16 +132,26 @@ class RolloutEngine:
         weights and cache stay as they were.
         """
         version = as_version(version)
-        with self._lock:
-            try:
-                start = time.perf_counter()
-                staged = self._stage(params, version)
-                if staged is None:  # same version, same params
-                    return WeightAck(version, version, 0, time.perf_counter() - start,
-                                     tuple(self.cache.versions()))
-                return self._commit(staged, start)
-            finally:
-                self._reconcile()
+        return self._serialized(self._sync, params, version)
+
+    def _sync(self, params, version: int) -> WeightAck:
+        start = time.perf_counter()
+        staged = self._stage(params, version)
+        if staged is None:  # same version, same params
+            return WeightAck(version, version, 0, time.perf_counter() - start,
+                             tuple(self.cache.versions()))
+        return self._commit(staged, start)
+
+    def _serialized(self, fn, *args):
+        """Runs fn under the engine lock, then reconciles the cache. SIGINT/SIGTERM are
+        deferred everywhere but inside fn (interrupts.allow_signals), so an interrupt can
+        never land between taking and releasing the lock or inside the reconcile."""
+        with deferred_signals():
+            with self._lock:
+                try:
+                    return allow_signals(fn, *args)
+                finally:
+                    self._reconcile()
 
     def _stage(self, params, version: int) -> _Weights | None:
         """Validated resident copy of `params` for a newer `version` (nothing committed)."""
@@ -155,9 +166,12 @@ class RolloutEngine:
                     f"change must come with a new version (got {version} again)")
             return None
         self._check_params(params)
-        # a copy (may_alias=False): the caller may mutate or donate its arrays afterwards
+        # copies: the caller may mutate its numpy arrays (device_put of numpy can be
+        # zero-copy on CPU, whatever may_alias says) or donate its jax arrays afterwards
+        owned = jax.tree.map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray)
+                             else x, params)
         resident = jax.block_until_ready(
-            jax.device_put(params, self._placement, may_alias=False))
+            jax.device_put(owned, self._placement, may_alias=False))
         if not bool(_all_finite(resident)):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
@@ -165,10 +179,9 @@ class RolloutEngine:
 
     def _commit(self, staged: _Weights, start: float) -> WeightAck:
         previous = self._weights.version
-        # all-or-nothing; if the commit below never happens, _reconcile drops what this
-        # call inserted under the new version, and the cache merely forgot older entries
-        invalidated = self.cache.invalidate_before(self._cache_key(staged.version))
-        self._weights = staged  # the commit: one assignment
+        with deferred_signals():  # invalidation and the commit land together
+            invalidated = self.cache.invalidate_before(self._cache_key(staged.version))
+            self._weights = staged  # the commit: one assignment
         return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()))
 
@@ -203,19 +216,18 @@ class RolloutEngine:
         """
         version = as_version(version)
         prompts = self._check_request(prompts, sampling, rng)
-        with self._lock:
-            try:
-                start = time.perf_counter()
-                staged = self._stage(params, version)
-                weights = staged or self._weights
-                if staged is None and version != self._weights.version:
-                    raise VersionError(f"rollout at version {version} but the engine is at "
-                                       f"{self._weights.version}; versions only move forward")
-                batch = self._generate(weights, prompts, sampling, rng, start)
-                ack = None if staged is None else self._commit(staged, start)
-                return dataclasses.replace(batch, sync_ack=ack)
-            finally:
-                self._reconcile()
+        return self._serialized(self._rollout, params, version, prompts, sampling, rng)
+
+    def _rollout(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
+        start = time.perf_counter()
+        staged = self._stage(params, version)
+        weights = staged or self._weights
+        if staged is None and version != self._weights.version:
+            raise VersionError(f"rollout at version {version} but the engine is at "
+                               f"{self._weights.version}; versions only move forward")
+        batch = self._generate(weights, prompts, sampling, rng, start)
+        ack = None if staged is None else self._commit(staged, start)
+        return dataclasses.replace(batch, sync_ack=ack)
 
     def _check_request(self, prompts, sampling: SamplingParams, rng) -> list[tuple]:
         if not isinstance(sampling, SamplingParams):
@@ -280,8 +292,7 @@ class RolloutEngine:
             seconds=time.perf_counter() - start)
 
     def cache_stats(self) -> CacheStats:
-        with self._lock:
-            return self.cache.stats()
+        return self._serialized(self.cache.stats)
 
 
 class _Run:
