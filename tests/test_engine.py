@@ -333,3 +333,44 @@ def test_non_finite_params_are_refused_at_sync():
     with pytest.raises(ValueError, match="NaN or Inf"):
         engine.sync_weights(bad, 0)
     assert engine._weights.params is None and engine.version == 0
+
+
+class TestWeakInput:
+    """Typed errors naming the argument, raised before any work, engine unchanged."""
+
+    @pytest.mark.parametrize("prompts,error,match", [
+        ((p for p in PROMPTS), TypeError, "prompts"), (None, TypeError, "prompts"),
+        ("abc", TypeError, "prompts"), (b"abc", TypeError, "prompts"),
+        ({1, 2}, TypeError, "prompts"), ([[True, 2]], TypeError, "integer token ids"),
+        ([b"ab"], TypeError, "prompt 0"), ([{1, 2}], TypeError, "prompt 0")])
+    def test_prompts(self, prompts, error, match):
+        engine = make_engine()
+        with pytest.raises(error, match=match):
+            engine.rollout(varied_params(0), 0, prompts, GREEDY, rng=jax.random.key(0))
+        assert balanced(engine) and engine.cache_stats().lookups == 0
+
+    @pytest.mark.parametrize("rng", [None, 3, np.uint32(3), jnp.zeros(3, jnp.uint32),
+                                     jax.random.split(jax.random.key(0), 2)])
+    def test_rng(self, rng):
+        engine = make_engine()
+        with pytest.raises(TypeError, match="rng"):
+            engine.rollout(varied_params(0), 0, PROMPTS, GREEDY, rng=rng)
+        assert engine._weights.params is None
+
+    @pytest.mark.parametrize("stops,error", [((999,), ValueError), (5, TypeError),
+                                             ("2", TypeError), ((1.5,), TypeError)])
+    def test_stop_ids(self, stops, error):
+        with pytest.raises(error, match="stop_token_ids"):
+            sp = SamplingParams(n=1, max_new_tokens=3, stop_token_ids=stops)
+            make_engine().rollout(varied_params(0), 0, PROMPTS, sp, rng=jax.random.key(0))
+
+    def test_pool_larger_than_memory(self):
+        with pytest.raises(ValueError, match="num_pages"):
+            RolloutEngine(CONFIG, CacheConfig(num_pages=2**25, page_size=PS))  # 64 GiB
+
+    @pytest.mark.parametrize("bad", [None, 1.5, "x", {"embed": 1}])
+    def test_params(self, bad):
+        engine = make_engine()
+        with pytest.raises((TypeError, ValueError)):
+            engine.sync_weights(bad, 0)
+        assert engine._weights.params is None and engine.version == 0

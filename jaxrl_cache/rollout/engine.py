@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import numbers
 import operator
+import os
 import threading
 import time
 from typing import NamedTuple, Sequence
@@ -92,6 +93,7 @@ class RolloutEngine:
             raise ValueError("pass either device or mesh, not both")
         self.device = device or jax.devices()[0]
         self.mesh = mesh
+        self._check_pool_fits()
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
         self._weights = _Weights(as_version(version), None, ())
         self._lock = threading.Lock()
@@ -102,6 +104,21 @@ class RolloutEngine:
             from jaxrl_cache import parallel
             self._placement = parallel.rollout_shardings(self._param_shapes, model_config, mesh)
         self._kv = self._fresh_pool()
+
+    def _check_pool_fits(self) -> None:
+        """Refuses a KV pool larger than the device's memory (host RAM on CPU) up front."""
+        shapes = jax.eval_shape(lambda: init_kv_cache(
+            self.model_config, self.cache_config.num_pages, self.cache_config.page_size))
+        need = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+        stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
+        limit = (stats or {}).get("bytes_limit")
+        if limit is None and hasattr(os, "sysconf"):
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if limit and need > limit:
+            raise ValueError(
+                f"CacheConfig.num_pages={self.cache_config.num_pages} needs a KV pool of "
+                f"{need / 2**30:.1f} GiB but the device has {limit / 2**30:.1f} GiB; use fewer "
+                f"pages")
 
     def _fresh_pool(self):
         cfg = self.cache_config
