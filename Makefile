@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-full bench setup clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,10 @@ demo: setup
 	$(BIN)/jaxrl-cache demo --overwrite
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -m 'not slow' --durations=15
+
+test-full: setup
+	JAXRL_FULL_SWEEP=1 $(BIN)/python -m pytest tests --durations=30
 
 bench: setup
 	$(BIN)/python -m pytest benchmarks --benchmark-only

@@ -14,6 +14,7 @@ def test_multidevice_suite():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/multidevice", "-q", "-x", "-s",
-         "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
+         "-p", "no:cacheprovider"]
+        + ([] if os.environ.get("JAXRL_FULL_SWEEP") == "1" else ["-m", "not slow"]), cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

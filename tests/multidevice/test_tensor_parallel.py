@@ -25,7 +25,8 @@ def forwards(mesh, backend):
                  for f in (prefill_forward, decode_forward))
 
 
-@pytest.mark.parametrize("tensor,backend", [(2, "xla"), (8, "xla"), (4, "interpret")])
+@pytest.mark.parametrize("tensor,backend", [
+    (2, "xla"), (8, "xla"), pytest.param(4, "interpret", marks=pytest.mark.slow)])
 def test_sharded_greedy_matches_single_device(tensor, backend):
     steps = 4 if backend == "xla" else 1
     params = common.params()
