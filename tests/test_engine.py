@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SchedulerConfig
@@ -374,3 +375,37 @@ class TestWeakInput:
         with pytest.raises((TypeError, ValueError)):
             engine.sync_weights(bad, 0)
         assert engine._weights.params is None and engine.version == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(which=st.sampled_from(["params", "version", "prompts", "sampling", "rng"]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                       st.floats(allow_nan=True), st.text(max_size=3), st.binary(max_size=3),
+                       st.lists(st.integers(-3, 60), max_size=4),
+                       st.lists(st.lists(st.integers(-3, 60), max_size=3), max_size=2),
+                       st.sampled_from([{1, 2}, (i for i in range(2)), np.array([1, 2]),
+                                        np.float32("nan"), object()])))
+def test_junk_at_rollout_and_sync_is_a_typed_error_and_changes_nothing(which, value):
+    engine = _JUNK_ENGINE
+    before = (engine.version, engine._weights, engine.cache_stats())
+    args = dict(params=_JUNK_PARAMS, version=engine.version, prompts=PROMPTS[:1],
+                sampling=GREEDY, rng=jax.random.key(0))
+    args[which] = value
+    try:
+        engine.rollout(args["params"], args["version"], args["prompts"], args["sampling"],
+                       rng=args["rng"])
+    except (TypeError, ValueError, VersionError, CacheFullError):
+        assert (engine.version, engine._weights) == before[:2]
+        stats = engine.cache_stats()
+        assert stats.in_use_pages == 0 and stats.lookups == before[2].lookups
+    if which in ("params", "version"):
+        try:
+            engine.sync_weights(args["params"], args["version"])
+        except (TypeError, ValueError, VersionError):
+            assert (engine.version, engine._weights) == before[:2]
+    engine.cache.check_invariants()
+
+
+_JUNK_PARAMS = varied_params(0)
+_JUNK_ENGINE = make_engine()
+_JUNK_ENGINE.sync_weights(_JUNK_PARAMS, 0)
