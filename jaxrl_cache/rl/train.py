@@ -258,7 +258,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | No
     lr = float(state.lr_schedule(version))
     if not np.isfinite(lr):
         raise ValueError(f"lr_schedule({version}) = {lr} is not finite")
-    behavior = np.asarray(batch.behavior_version)[np.asarray(batch.loss_mask).sum(axis=1) > 0]
+    behavior = np.asarray(batch.behavior_version)  # padding rows repeat the newest version
     oldest, newest = int(behavior.min()), int(behavior.max())
     if max_policy_lag is not None and version - oldest > max_policy_lag:
         raise StalenessError(
