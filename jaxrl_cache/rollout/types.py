@@ -53,6 +53,19 @@ class Sample:
     cached_tokens: int  # prompt tokens whose KV came from the radix cache
     finish_reason: str  # "stop" (a stop token, included) or "length"
     group: int  # index of the prompt in the rollout call
+    # Asynchronous mode (engine kv_policy "recompute"/"keep"): weights may change between
+    # decode chunks while the sample runs. behavior_version is then the version of its first
+    # token and token_versions[t] the version whose params sampled token t.
+    kv_versions: tuple = ()  # sorted versions that wrote KV this sample attended to
+    #                          (() = only behavior_version: the synchronous case)
+    mixed_tokens: np.ndarray | None = None  # bool [len(output_ids)]: token t attended KV
+    #   written by a version other than token_versions[t] (kv_policy="keep" only); None = none
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest version that sampled one of its tokens (staleness is measured from it)."""
+        return int(self.token_versions.min()) if len(self.token_versions) else \
+            self.behavior_version
 
 
 @dataclasses.dataclass(frozen=True)
