@@ -1,4 +1,5 @@
-"""Attribution audit: recompute behavior logprobs teacher-forced with the claimed params."""
+"""Attribution audit: recompute each output token's behavior logprob teacher-forced with the
+params of the version that claims to have sampled it."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,31 +12,55 @@ import numpy as np
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.models import ModelConfig
-from jaxrl_cache.rl.train import pack_samples, teacher_forced_log_probs
+from jaxrl_cache.rl.train import pack_samples, sample_token_versions, teacher_forced_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
     ok: bool
-    max_abs_diff: float
+    max_abs_diff: float  # over checked tokens
     num_samples: int
-    num_tokens: int
-    flagged: tuple  # indices of samples whose logprobs do not match their behavior version
-    missing_versions: tuple  # behavior versions with no params supplied
+    num_tokens: int  # output tokens of the batch = checked + mixed + those of missing versions
+    flagged: tuple  # indices of samples with a checked token that does not match its version,
+    #                 or a token whose version has no params
+    missing_versions: tuple  # token versions (of tokens to check) with no params supplied
     tolerance: float
+    num_checked_tokens: int  # tokens recomputed and compared
+    num_mixed_tokens: int  # tokens that attended KV of another version: reported, not checked
+    first_bad_token: tuple  # (sample, token index) of the first failing token per flagged sample
+    mixed_tokens: tuple  # (sample, (token indices...)) for each sample with mixed tokens
 
 
 _teacher_forced = jax.jit(teacher_forced_log_probs, static_argnums=1)
 
 
+def _mixed(sample, index: int) -> np.ndarray:
+    """Sample.mixed_tokens as bool [len(output_ids)] (None = no token mixed)."""
+    n = len(sample.output_ids)
+    if sample.mixed_tokens is None:
+        return np.zeros(n, bool)
+    mixed = np.asarray(sample.mixed_tokens)
+    if mixed.shape != (n,) or mixed.dtype != np.bool_:
+        raise ValueError(f"sample {index}: mixed_tokens must be None or bool [{n}], got "
+                         f"{mixed.dtype}{list(mixed.shape)}")
+    return mixed
+
+
 def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: ModelConfig, *,
                       tolerance: float = 2e-3) -> AuditReport:
-    """Checks invariant 2 for every sample of `batch`.
+    """Checks invariant 2 for every output token of `batch`.
 
-    Each sample's outputs are scored with params_by_version[sample.behavior_version] and the
-    same sampling distribution; the sample is flagged if any token's logprob differs from the
-    recorded one by more than `tolerance` (or its version's params are missing).
-    tolerance must be finite and >= 0 (a NaN tolerance would pass every sample).
+    Token t of a sample is scored with params_by_version[token_versions[t]] and the batch's
+    sampling distribution, teacher-forced over the whole sequence: one dense pass per version
+    over the samples holding tokens of it, i.e. with every KV entry written by that version,
+    which is the KV history a token had unless it is mixed. Mixed tokens (Sample.mixed_tokens,
+    kv_policy="keep": they attended KV of other versions) are counted and listed, not checked.
+    A sample is flagged if a checked token's logprob differs from the recorded one by more
+    than `tolerance` or one of its tokens to check has a version without params. In the
+    synchronous case (all tokens of a sample at its behavior version) this is one pass per
+    behavior version. tolerance must be finite and >= 0 (a NaN tolerance would pass every
+    sample). A sample whose token_versions or mixed_tokens has the wrong shape or type is a
+    ValueError naming it.
     """
     if not isinstance(batch, RolloutBatch):
         raise TypeError(f"batch must be a RolloutBatch, got {type(batch).__name__}")
@@ -45,29 +70,41 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     tolerance = as_real(tolerance, "tolerance", minimum=0.0)
-    sp = batch.sampling
-    knobs = sp.as_arrays()
-    flagged, missing, worst, n_tokens = [], set(), 0.0, 0
-    by_version: dict[int, list[int]] = {}
-    for i, s in enumerate(batch.samples):
-        by_version.setdefault(s.behavior_version, []).append(i)
+    knobs = batch.sampling.as_arrays()
+    versions = [sample_token_versions(s, i) for i, s in enumerate(batch.samples)]
+    mixed = [_mixed(s, i) for i, s in enumerate(batch.samples)]
+    by_version: dict[int, list[int]] = {}  # version -> samples with tokens of it to check
+    for i, (v, m) in enumerate(zip(versions, mixed)):
+        for version in np.unique(v[~m]):
+            by_version.setdefault(int(version), []).append(i)
+    first_bad: dict[int, int] = {}
+    missing, worst, checked = set(), 0.0, 0
     for version, idx in sorted(by_version.items()):
+        todo = [(versions[i] == version) & ~mixed[i] for i in idx]  # [len(output_ids)] each
         if version not in params_by_version:
             missing.add(version)
-            flagged.extend(idx)
-            continue
-        samples = [batch.samples[i] for i in idx]
-        tokens, _, _ = pack_samples(samples)
-        logp = np.asarray(_teacher_forced(params_by_version[version], config,
-                                          jnp.asarray(tokens), **knobs))
-        for r, (i, s) in enumerate(zip(idx, samples)):
-            p, o = len(s.prompt_ids), len(s.output_ids)
-            diff = np.abs(logp[r, p - 1:p - 1 + o] - s.output_logprobs)
-            diff = np.where(np.isnan(diff), np.inf, diff)
-            n_tokens += o
-            worst = max(worst, float(diff.max(initial=0.0)))
-            if (diff > tolerance).any():
-                flagged.append(i)
-    return AuditReport(ok=not flagged, max_abs_diff=worst, num_samples=len(batch.samples),
-                       num_tokens=n_tokens, flagged=tuple(sorted(flagged)),
-                       missing_versions=tuple(sorted(missing)), tolerance=tolerance)
+            bad = [(i, int(np.argmax(sel))) for i, sel in zip(idx, todo)]
+        else:
+            samples = [batch.samples[i] for i in idx]
+            tokens = pack_samples(samples)[0]
+            logp = np.asarray(_teacher_forced(params_by_version[version], config,
+                                              jnp.asarray(tokens), **knobs))
+            bad = []
+            for r, (i, s, sel) in enumerate(zip(idx, samples, todo)):
+                p, o = len(s.prompt_ids), len(s.output_ids)
+                diff = np.abs(logp[r, p - 1:p - 1 + o] - s.output_logprobs)
+                diff = np.where(np.isnan(diff) & sel, np.inf, np.where(sel, diff, 0.0))
+                checked += int(sel.sum())
+                worst = max(worst, float(diff.max(initial=0.0)))
+                if (diff > tolerance).any():
+                    bad.append((i, int(np.argmax(diff > tolerance))))
+        for i, t in bad:
+            first_bad[i] = min(t, first_bad.get(i, t))
+    return AuditReport(
+        ok=not first_bad, max_abs_diff=worst, num_samples=len(batch.samples),
+        num_tokens=sum(len(v) for v in versions), flagged=tuple(sorted(first_bad)),
+        missing_versions=tuple(sorted(missing)), tolerance=tolerance,
+        num_checked_tokens=checked, num_mixed_tokens=int(sum(m.sum() for m in mixed)),
+        first_bad_token=tuple(sorted(first_bad.items())),
+        mixed_tokens=tuple((i, tuple(int(t) for t in np.flatnonzero(m)))
+                           for i, m in enumerate(mixed) if m.any()))

@@ -41,7 +41,9 @@ def train_batch(n: int = 8, length: int = 12) -> TrainBatch:
                                                                      t, p, k)
     return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
                       advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
-                      behavior_version=jnp.zeros(n, jnp.int32), temperature=t, top_p=p, top_k=k)
+                      behavior_version=jnp.zeros(n, jnp.int32),
+                      token_versions=jnp.zeros((n, length - 1), jnp.int32), temperature=t,
+                      top_p=p, top_k=k)
 
 
 # Two prompts (5 and 3 tokens) packed for prefill; pages 1-2 and 3-4.
