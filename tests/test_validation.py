@@ -1,5 +1,6 @@
 """Bad input at every entry point outside the engine: a typed error naming the argument,
 raised before any change; then random junk (hypothesis) at all of them."""
+import dataclasses
 import math
 import tempfile
 
@@ -124,6 +125,13 @@ def test_cache_config_refused(kwargs, error, match):
     (ROLLOUTS, ["a", "b"], TypeError, "rewards must be numbers"),
     (rollout_batch([sample([1, 2], [3, 4], logprobs=[-1.0, NAN])]), [1.0], ValueError,
      "sample 0 has non-finite behavior logprobs"),
+    (rollout_batch([sample([1, 2], [3, 4]), dataclasses.replace(
+        sample([1, 2], [3, 4]), token_versions=np.zeros(3, np.int64))]), [1.0, 0.0], ValueError,
+     r"sample 1: token_versions must be integers \[2\]"),
+    (rollout_batch([dataclasses.replace(sample([1, 2], [3, 4]), token_versions=np.array(
+        [0.0, 1.0]))]), [1.0], ValueError, "sample 0: token_versions must be integers"),
+    (rollout_batch([dataclasses.replace(sample([1, 2], [3, 4]), token_versions=np.array(
+        [0, -1]))]), [1.0], ValueError, r"sample 0: token_versions must lie in"),
 ])
 def test_make_batch_refused(rollouts, rewards, error, match):
     with pytest.raises(error, match=match):
@@ -137,6 +145,10 @@ def test_make_batch_refused(rollouts, rewards, error, match):
     (dict(clip_eps=NAN), ValueError, "clip_eps must be finite"),
     (dict(clip_eps=0.0), ValueError, "clip_eps"),
     (dict(dual_clip=NAN), ValueError, "dual_clip"), (dict(dual_clip=0.5), ValueError, "dual_clip"),
+    (dict(correction="ppo"), ValueError, r"correction must be one of \('none', 'decoupled'\)"),
+    (dict(correction=None), TypeError, "correction must be a str"),
+    (dict(correction="decoupled", is_cap=0.5), ValueError, "is_cap must be finite and >= 1"),
+    (dict(correction="decoupled", is_cap=INF), ValueError, "is_cap must be finite"),
 ])
 def test_train_step_arguments_refused(state, batch, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -219,7 +231,8 @@ def test_junk_configs(field, value):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(which=st.sampled_from(["rollouts", "rewards", "length", "state", "batch", "lag", "clip",
-                              "dual", "audit_batch", "audit_params", "audit_tol"]),
+                              "dual", "correction", "is_cap", "audit_batch", "audit_params",
+                              "audit_tol"]),
        value=JUNK)
 def test_junk_training_entry_points(state, batch, which, value):
     calls = {
@@ -231,6 +244,8 @@ def test_junk_training_entry_points(state, batch, which, value):
         "lag": lambda: train_step(state, batch, max_policy_lag=value),
         "clip": lambda: train_step(state, batch, clip_eps=value),
         "dual": lambda: train_step(state, batch, dual_clip=value),
+        "correction": lambda: train_step(state, batch, correction=value),
+        "is_cap": lambda: train_step(state, batch, correction="decoupled", is_cap=value),
         "audit_batch": lambda: audit_attribution(value, {}, CONFIG),
         "audit_params": lambda: audit_attribution(ROLLOUTS, value, CONFIG),
         "audit_tol": lambda: audit_attribution(ROLLOUTS, {}, CONFIG, tolerance=value),
