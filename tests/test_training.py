@@ -1,5 +1,6 @@
 """Versions through training: train_step, lr at version, staleness, checkpoints, weight sync,
 the attribution audit, and a threaded rollout/train loop."""
+import dataclasses
 import threading
 import time
 
@@ -259,7 +260,9 @@ def test_threads_rollout_while_training(engine, state):
 
 def test_train_and_audit_compile_once_per_bucket(engine):
     """Batch sizes N within a bucket, a re-created TrainState with equal hyperparameters and
-    a new (equal) schedule object, new lr values: one train-step and one audit compilation."""
+    a new (equal) schedule object, new lr values: one train-step and one audit compilation.
+    The decoupled correction compiles once more; new is_cap values, clip values, versions
+    and per-token version patterns (audited per version) compile nothing."""
     from jaxrl_cache.rl import audit, train
     state = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=SCHEDULE)
     rollouts = [engine.rollout(state.params, 0, PROMPTS[:1], SamplingParams(
@@ -277,4 +280,18 @@ def test_train_and_audit_compile_once_per_bucket(engine):
         state, m = train_step(fresh, batch)
         assert int(m["tokens"]) == sum(len(s.output_ids) for s in rollouts[k + 1].samples)
     assert train._train_core._cache_size() == train_before
+    assert audit._teacher_forced._cache_size() - audit_before <= 1
+    for k, batch in enumerate(batches):  # tokens after the first: version k + 1
+        b = rollouts[k]
+        split = [dataclasses.replace(s, token_versions=np.minimum(np.arange(
+            len(s.output_ids)), 1) + k) for s in b.samples]
+        batch = make_batch(dataclasses.replace(b, samples=split),
+                           [reward(s) for s in split], length=64)
+        state, m = train_step(state, batch, correction="decoupled", is_cap=2.0 + k,
+                              clip_eps=0.1 + 0.1 * k)
+        assert int(m["staleness_max"]) == int(state.version) - 1 - k
+        report = audit_attribution(dataclasses.replace(b, samples=split),
+                                   {k: varied_params(0), k + 1: varied_params(0)}, CONFIG)
+        assert report.ok and report.num_checked_tokens == b.generated_tokens
+    assert train._train_core._cache_size() == train_before + 1
     assert audit._teacher_forced._cache_size() - audit_before <= 1
