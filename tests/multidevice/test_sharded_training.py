@@ -65,7 +65,8 @@ def test_step_collectives(run):
     state, batch = run["placed"]
     text = train._train_core.lower(
         state.params, state.opt_state, state.version, batch, jnp.float32(1e-3),
-        jnp.float32(0.2), None, tx=state.tx, config=state.config).compile().as_text()
+        jnp.float32(0.2), None, jnp.float32(2.0), tx=state.tx, config=state.config,
+        correction="none").compile().as_text()
     found = common.collectives(text)
     ops = {op for op, _ in found}
     dims = lambda t: tuple(int(d) for d in t[t.index("[") + 1:-1].split(",") if d)
