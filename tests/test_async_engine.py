@@ -163,11 +163,16 @@ def test_the_lag_window_keeps_older_tries_each_for_its_own_version():
     engine = make_engine("recompute", lag=1)
     engine.rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(0))
     ack = engine.sync_weights(PARAMS[1], 1)
-    assert ack.cached_versions == (0, 1) and ack.dropped_versions == () and \
+    assert ack.cached_versions == (0,) and ack.dropped_versions == () and \
         ack.invalidated_pages == 0
     # version 1 never reads version 0's entries, even though they are cached
     batch = engine.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
-    assert batch.cached_tokens == 0 and engine.cache.versions() == [0, 1]
+    fresh = make_engine("recompute", lag=1)
+    fresh.sync_weights(PARAMS[1], 1)
+    alone = fresh.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    assert batch.prefill_tokens == alone.prefill_tokens == sum(map(len, PROMPTS)) - 8
+    assert [s.output_ids for s in batch.samples] == [s.output_ids for s in alone.samples]
+    assert engine.cache.versions() == [0, 1]
     ack = engine.sync_weights(PARAMS[2], 2)
     assert ack.dropped_versions == (0,) and ack.invalidated_pages > 0
     assert ack.cached_versions == (1,)
@@ -181,10 +186,14 @@ def test_the_oldest_version_is_evicted_first():
     engine.sync_weights(PARAMS[1], 1)
     engine.rollout(PARAMS[1], 1, PROMPTS[:1], sampling, rng=jax.random.key(0))
     engine.sync_weights(PARAMS[2], 2)
-    # a version-2 request large enough to need evictions takes version 0's pages first
+    # 3 pages each for versions 0 and 1; a version-2 request needing 20 of the 23 usable
+    # pages evicts 3: all of version 0's
+    assert engine.cache.stats().cached_pages_by_version == {0: 3, 1: 3}
     long = [list(range(1, 40))]
-    engine.rollout(PARAMS[2], 2, long, SamplingParams(n=1, max_new_tokens=30), rng=jax.random.key(0))
-    assert 0 not in engine.cache.versions() and 1 in engine.cache.versions()
+    engine.rollout(PARAMS[2], 2, long, SamplingParams(n=1, max_new_tokens=42),
+                   rng=jax.random.key(0))
+    by_version = engine.cache.stats().cached_pages_by_version
+    assert by_version.get(0, 0) == 0 and by_version[1] == 3, by_version
     assert_clean(engine)
 
 
