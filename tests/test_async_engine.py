@@ -217,3 +217,28 @@ def test_kv_policy_is_validated():
         RolloutEngine(CONFIG, kv_policy="sometimes")
     with pytest.raises((TypeError, ValueError), match="max_policy_lag"):
         RolloutEngine(CONFIG, max_policy_lag=-1)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_ctrl_c_between_chunks_leaves_a_clean_engine(policy):
+    """KeyboardInterrupt outside the lock, after an in-flight update: the call's pages are
+    released, the acknowledged version stays, and the next call runs normally."""
+
+    class Interrupted(ForcedUpdates):
+        def _between_steps(self, run):
+            super()._between_steps(run)
+            if self.step_index == 4:
+                raise KeyboardInterrupt
+
+    engine = Interrupted(CONFIG, CacheConfig(num_pages=64, page_size=4), scheduler_config=SCHED,
+                         backend="xla", kv_policy=policy, updates={2: 1})
+    engine.sync_weights(PARAMS[0], 0)
+    with pytest.raises(KeyboardInterrupt):
+        engine.rollout(PARAMS[0], 0, PROMPTS, SamplingParams(n=2, max_new_tokens=20),
+                       rng=jax.random.key(0))
+    assert engine.version == 1
+    assert_clean(engine)
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, SamplingParams(n=2, max_new_tokens=6),
+                           rng=jax.random.key(0))
+    assert all((s.token_versions == 1).all() for s in batch.samples)
+    assert_clean(engine)
