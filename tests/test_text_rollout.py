@@ -17,6 +17,7 @@ from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.train import make_batch
 from jaxrl_cache.rollout import (CacheConfig, RolloutEngine, SamplingParams,
                                  SchedulerConfig)
+from jaxrl_cache.rollout.scheduler import Row
 from jaxrl_cache.rollout.text import RowText
 from tests.hf_fixtures import FIXTURES
 
@@ -190,7 +191,7 @@ def test_incremental_stop_search_matches_the_brute_force_reference(text, stops, 
     ids = BYTES.encode(text)
     rows = RowText(BYTES, SamplingParams(stop=tuple(stops),
                                          include_stop_str_in_output=include))
-    row = type("Row", (), {"index": 0, "tokens": [], "logprobs": [], "finish_reason": None})()
+    row = Row(index=0, group=0, prompt=(1,), pages=np.zeros(0, np.int32), cached_tokens=0)
     for lo in range(0, len(ids), chunk):
         row.tokens += ids[lo:lo + chunk]
         row.logprobs += [0.0] * len(ids[lo:lo + chunk])
@@ -209,7 +210,10 @@ def test_incremental_stop_search_matches_the_brute_force_reference(text, stops, 
 def test_bad_stop_strings_are_typed_errors(stop, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(stop=stop)
-    with pytest.raises(TypeError, match="include_stop_str_in_output"):
+
+
+def test_include_stop_str_in_output_must_be_a_bool():
+    with pytest.raises(TypeError, match="include_stop_str_in_output must be a bool"):
         SamplingParams(include_stop_str_in_output="yes")
 
 
@@ -226,6 +230,8 @@ def test_bad_text_inputs_are_refused_before_any_work(model):
     refuses(plain, [ids, TEXTS[0]], TypeError, "prompt 1 is text.*tokenizer=")
     refuses(plain, [[{"role": "user", "content": "hi"}]], TypeError, "prompt 0 is chat")
     refuses(plain, [ids], ValueError, "stop strings.*tokenizer", stop=("a",))
+    refuses(engine, [ids], ValueError, r"stop\[1\] contains the special token '<\|im_end\|>'.*"
+            r"stop_token_ids=\(2,\)", stop=("a", "x<|im_end|>"))
     refuses(engine, TEXTS[0], TypeError, "prompts must be a list")
     refuses(engine, [""], ValueError, "prompt 0 is empty")
     refuses(engine, [ids, [{"role": "user"}]], ValueError, "prompt 1: message 0 has no 'content'")

@@ -54,12 +54,27 @@ def _check_messages(i: int, messages) -> None:
                             f"{type(m['role']).__name__}")
 
 
-def encode_prompts(tokenizer: Tokenizer | None, prompts, sampling) -> list | object:
-    """Text prompts and chat messages -> token ids (other prompts pass through unchanged for
-    the engine's checks). Refuses text, chat messages and stop strings without a tokenizer."""
-    if tokenizer is None and isinstance(sampling, SamplingParams) and sampling.stop:
+def _check_stop(tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+    if not stop:
+        return
+    if tokenizer is None:
         raise ValueError("sampling.stop (stop strings) needs a tokenizer: "
                          "RolloutEngine(..., tokenizer=load_tokenizer(path))")
+    special = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()
+               if t.special}
+    for k, s in enumerate(stop):
+        for content, i in special.items():
+            if content in s:
+                raise ValueError(f"sampling.stop[{k}] contains the special token {content!r}, "
+                                 f"which decoded text never shows; use stop_token_ids=({i},)")
+
+
+def encode_prompts(tokenizer: Tokenizer | None, prompts, sampling) -> Sequence:
+    """Text prompts and chat messages -> token ids (other prompts pass through unchanged for
+    the engine's checks). Refuses text, chat messages and stop strings without a tokenizer,
+    and stop strings holding a special token (stop_token_ids do that)."""
+    if isinstance(sampling, SamplingParams):
+        _check_stop(tokenizer, sampling.stop)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         return prompts  # the engine refuses it by name
     out = []
@@ -79,8 +94,10 @@ def encode_prompts(tokenizer: Tokenizer | None, prompts, sampling) -> list | obj
 
 @dataclasses.dataclass
 class _Stream:
-    """Incremental detokenization of one row's output. text == decode(tokens[:read])."""
-    read: int = 0  # tokens consumed
+    """Incremental detokenization of one row's output: text == decode(tokens[:offset]) (a
+    tokenizer whose decoding of a prefix is a prefix of the decoding; byte-level BPE and
+    SentencePiece are)."""
+    read: int = 0  # tokens consumed (read - offset: an incomplete character so far)
     prefix: int = 0  # window start: text before it is final
     offset: int = 0  # window tokens already in `text`
     before: str = ""  # decode(tokens[prefix:offset])
