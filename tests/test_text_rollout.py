@@ -118,12 +118,14 @@ def test_stop_strings_cut_where_the_brute_force_reference_does(model, include):
     config, params, tok = model
     raw = run(make_engine(model), params, TEXTS)
     stops = (spanning_stop(tok, raw.samples), "!")
-    batch = run(make_engine(model), params, TEXTS, stop=stops,
-                include_stop_str_in_output=include)
+    # the asynchronous engine keeps per-token versions: they are cut with the tokens
+    engine = make_engine(model, kv_policy="recompute" if include else "wait")
+    engine.sync_weights(params, 0)  # asynchronous mode: a rollout needs synced weights
+    batch = run(engine, params, TEXTS, stop=stops, include_stop_str_in_output=include)
     cut_mid_chunk = spanned = 0
     for r, s in zip(raw.samples, batch.samples):
         kept, text, hit = reference(tok, list(r.output_ids), stops, include)
-        assert s.output_ids == tuple(kept)
+        assert s.output_ids == tuple(kept) and len(s.token_versions) == len(kept)
         np.testing.assert_array_equal(s.output_logprobs, r.output_logprobs[:len(kept)])
         assert s.text == text
         assert s.finish_reason == ("stop" if hit else r.finish_reason)
@@ -208,11 +210,13 @@ def test_incremental_stop_search_matches_the_brute_force_reference(kind, text, s
     row = Row(index=0, group=0, prompt=(1,), pages=np.zeros(0, np.int32), cached_tokens=0)
     for lo in range(0, len(ids), chunk):
         row.tokens += ids[lo:lo + chunk]
-        row.logprobs += [0.0] * len(ids[lo:lo + chunk])
+        for per_token in (row.logprobs, row.token_versions, row.mixed):
+            per_token += [0] * len(ids[lo:lo + chunk])
         if rows.stop_rows([None, row], []) == [1]:
             break
     kept, want, hit = reference(tok, ids, stops, include)
-    assert row.tokens == kept and len(row.logprobs) == len(kept)
+    assert row.tokens == kept
+    assert len(row.logprobs) == len(row.token_versions) == len(row.mixed) == len(kept)
     assert (row.finish_reason == "stop") == hit
     assert rows.sample_text(row) == want
 

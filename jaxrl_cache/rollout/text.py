@@ -22,6 +22,7 @@ from typing import Sequence
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.tokenizer import Tokenizer
+from jaxrl_cache.rollout import scheduler
 from jaxrl_cache.rollout.sampling import SamplingParams
 
 
@@ -151,7 +152,7 @@ class RowText:
                 continue
             keep = self.find_stop(row.index, row.tokens)
             if keep is not None:
-                del row.tokens[keep:], row.logprobs[keep:]
+                scheduler.keep_tokens(row, keep)
                 row.finish_reason = "stop"
                 done.add(i)
         return sorted(done)
