@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
-from jaxrl_cache.rl.train import teacher_forced_log_probs
-from tests.helpers import CONFIG, dense_logits, varied_params
+from tests.helpers import CONFIG, dense_logits, own_version_logprobs, varied_params
 
 PARAMS = [varied_params(s) for s in range(4)]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13]]
@@ -43,17 +42,8 @@ def make_engine(policy, updates=None, lag=0, pages=64, sched=SCHED):
 
 
 def per_token_logprobs(sample, sampling):
-    """Each output token's logprob under its own version's params with the whole context
-    (teacher-forced dense forward): what kv_policy "recompute" must reproduce."""
-    seq = jnp.asarray([sample.prompt_ids + sample.output_ids], jnp.int32)
-    p = len(sample.prompt_ids)
-    out = np.zeros(len(sample.output_ids), np.float32)
-    for v in np.unique(sample.token_versions):
-        logp = np.asarray(teacher_forced_log_probs(PARAMS[int(v)], CONFIG, seq,
-                                                   **sampling.as_arrays()))[0, p - 1:]
-        mask = sample.token_versions == v
-        out[mask] = logp[:len(sample.output_ids)][mask]
-    return out
+    """What kv_policy "recompute" must reproduce: each token under its own version."""
+    return own_version_logprobs(sample, dict(enumerate(PARAMS)), sampling)
 
 
 def assert_clean(engine):

@@ -308,7 +308,7 @@ class RolloutEngine:
         start = time.perf_counter()
         with self._call_lock:
             ack = None
-            if version > self._weights.version:
+            if version > self._weights.version or self._weights.params is None:
                 ack = self.sync_weights(params, version)
             run = self._serialized(self._start_run, params, version, prompts, sampling, rng)
             try:
