@@ -171,16 +171,16 @@ def test_the_lag_window_keeps_older_tries_each_for_its_own_version():
 
 def test_the_oldest_version_is_evicted_first():
     sampling = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
-    engine = make_engine("recompute", lag=2, pages=24)
+    engine = make_engine("recompute", lag=2, pages=16)
     engine.rollout(PARAMS[0], 0, PROMPTS[:1], sampling, rng=jax.random.key(0))
     engine.sync_weights(PARAMS[1], 1)
     engine.rollout(PARAMS[1], 1, PROMPTS[:1], sampling, rng=jax.random.key(0))
     engine.sync_weights(PARAMS[2], 2)
-    # 3 pages each for versions 0 and 1; a version-2 request needing 20 of the 23 usable
-    # pages evicts 3: all of version 0's
+    # 3 cached pages each for versions 0 and 1, 9 free; two version-2 rows of 6 pages each
+    # need 3 evictions: version 0's pages go first
     assert engine.cache.stats().cached_pages_by_version == {0: 3, 1: 3}
-    long = [list(range(1, 40))]
-    engine.rollout(PARAMS[2], 2, long, SamplingParams(n=1, max_new_tokens=42),
+    prompts = [list(range(20, 36)), list(range(30, 46))]
+    engine.rollout(PARAMS[2], 2, prompts, SamplingParams(n=1, max_new_tokens=9),
                    rng=jax.random.key(0))
     by_version = engine.cache.stats().cached_pages_by_version
     assert by_version.get(0, 0) == 0 and by_version[1] == 3, by_version
