@@ -33,10 +33,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kv-policy", choices=["recompute", "keep"], default="recompute")
     ap.add_argument("--max-policy-lag", type=int, default=1)
+    ap.add_argument("--chunk-steps", type=int, default=2,
+                    help="both runs; small enough that updates land inside rollout calls")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     root = pathlib.Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
-    base = DemoOptions(steps=args.steps, eval_prompts=32, checkpoint_every=10**6)
+    base = DemoOptions(steps=args.steps, eval_prompts=32, checkpoint_every=10**6,
+                       chunk_steps=args.chunk_steps)
     sync = run_demo(dataclasses.replace(base, steps=1, out=str(root / "sync")))  # warm start
     policy = root / "sync" / "sft_model"
     start = dataclasses.replace(base, model=str(policy), sft_steps=0)
@@ -51,7 +54,8 @@ def main(argv=None) -> dict:
         date=datetime.date.today().isoformat(),
         machine=f"{os.cpu_count()}-core {platform.machine()} (CPU), load {os.getloadavg()[0]:.1f}",
         command=f"python -m benchmarks.async_vs_sync --steps {args.steps} "
-                f"--kv-policy {args.kv_policy} --max-policy-lag {args.max_policy_lag}",
+                f"--kv-policy {args.kv_policy} --max-policy-lag {args.max_policy_lag} "
+                f"--chunk-steps {args.chunk_steps}",
         steps=args.steps, samples_per_run=args.steps * base.prompts_per_step * base.group_size,
         sync_grpo_seconds=wall(rows_sync), async_grpo_seconds=wall(rows_async),
         speedup_async_over_sync=wall(rows_sync) / max(wall(rows_async), 1e-9),

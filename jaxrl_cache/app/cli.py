@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
              "a kill -9 loses at most k steps) [%(default)s]")
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
         help="KV pool size in pages of 8 tokens [%(default)s]")
+    add("--chunk-steps", type=_positive_int, default=d.chunk_steps,
+        help="decode steps per on-device chunk; with --async, weight updates land between "
+             "chunks [%(default)s]")
     add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
     add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
         help="attention backend [%(default)s]")

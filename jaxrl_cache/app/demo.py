@@ -40,7 +40,7 @@ from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkp
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
-from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
 RUN_FILE, METRICS, CHECKPOINTS, PLOT = "run.json", "metrics.jsonl", "checkpoints", "demo.png"
 OUTPUTS = (RUN_FILE, METRICS, CHECKPOINTS, PLOT, "base_model", "sft_model", "final_model")
@@ -65,6 +65,7 @@ class DemoOptions:
     eval_prompts: int = 64
     checkpoint_every: int = 10
     kv_pages: int = 512
+    chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
     seed: int = 0
     backend: str = "auto"
     model: str | None = None
@@ -79,7 +80,7 @@ class DemoOptions:
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
-                     "eval_prompts", "checkpoint_every", "kv_pages", "max_new_tokens",
+                     "eval_prompts", "checkpoint_every", "kv_pages", "chunk_steps", "max_new_tokens",
                      "sft_steps", "warmup_steps"):
             value = getattr(self, name)
             low = 0 if name in ("sft_steps", "warmup_steps") else 1
@@ -408,6 +409,7 @@ def run_demo(opts: DemoOptions) -> dict:
         rows = run.read_rows(start_version)
         tqdm.write(f"resumed {run.path} at version {start_version}")
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
+                           scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
                            max_policy_lag=opts.max_policy_lag if opts.async_rollouts else 0)
