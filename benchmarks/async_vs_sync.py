@@ -36,6 +36,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunk-steps", type=int, default=2,
                     help="both runs; small enough that updates land inside rollout calls")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--plot", metavar="PNG", help="reward curves and staleness histogram")
     args = ap.parse_args(argv)
     root = pathlib.Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
     base = DemoOptions(steps=args.steps, eval_prompts=32, checkpoint_every=10**6,
@@ -74,7 +75,32 @@ def main(argv=None) -> dict:
     print(text)
     if args.json:
         pathlib.Path(args.json).write_text(text + "\n")
+    if args.plot:
+        _plot(result, args.plot)
     return result
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, hist) = plt.subplots(1, 2, figsize=(10, 3.5),
+                                   gridspec_kw=dict(width_ratios=[3, 1]))
+    for key, label in (("reward_curve_sync", "sync"), ("reward_curve_async", "async")):
+        ax.plot(result[key], label=label, alpha=0.8)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    staleness = {int(k): v for k, v in result["staleness_histogram"].items()}
+    hist.bar(list(staleness), list(staleness.values()))
+    hist.set_xlabel("token staleness (versions)")
+    hist.set_ylabel("trained tokens")
+    fig.suptitle(f"async ({result['command'].split('--kv-policy ')[1].split()[0]}) vs sync: "
+                 f"{result['speedup_async_over_sync']:.2f}x wall time per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
