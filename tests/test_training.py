@@ -127,7 +127,7 @@ class TestSyncWeights:
         engine.rollout(state.params, 0, PROMPTS, SP, rng=jax.random.key(0))
         before = engine.cache_stats()
 
-        def fail(version):
+        def fail(version, **kwargs):
             raise RuntimeError("injected failure during invalidation")
 
         monkeypatch.setattr(engine.cache, "invalidate_before", fail)
