@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
     add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
         help="attention backend [%(default)s]")
+    add("--mesh", metavar="trainer=T,engine=E", help="train and generate on "
+        "disjoint device sets: the trainer FSDP over T devices (or DxF: data D x fsdp F), "
+        "the rollout engine tensor-parallel over the next E; every weight sync reshards "
+        "between them (bytes and time per sync are reported). On CPU, simulate devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 [one device]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options "
@@ -157,6 +162,10 @@ def _demo(args) -> int:
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),
         ("attribution audit", f"{s['audited_samples'] - s['audit_failures']:,} / "
                               f"{s['audited_samples']:,} samples reproduce their logprobs"),
+        ("devices", s["devices"]),
+        ("weight sync (trainer -> engine)",
+         f"{s['sync_bytes'] / 2**10:,.1f} KiB moved, median {s['sync_seconds_median'] * 1e3:.1f}"
+         f" ms per sync ({s['syncs']} syncs)"),
         ("wall time", f"{s['seconds']:.1f} s"),
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
         ("exported policy (HF)", s["exported"]),

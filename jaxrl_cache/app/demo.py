@@ -10,6 +10,9 @@
 4. Checkpoints every `--checkpoint-every` steps, at the end, and on Ctrl-C/SIGTERM (the save
    itself defers signals); `--resume` continues exactly; the final policy is exported with
    `save_pretrained` to `out/final_model`.
+5. `--mesh trainer=T,engine=E` (app/mesh_layout.py): the trainer (FSDP) and the engine
+   (tensor parallel) on disjoint device sets; each sync reshards the trainer's params into
+   the engine's layout (bytes moved and seconds per sync in metrics.jsonl and the summary).
 
 Files in `out`: run.json (options, written first), metrics.jsonl, checkpoints/,
 base_model/, sft_model/, final_model/, demo.png. A directory holding a run is refused
@@ -31,6 +34,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from jaxrl_cache.app.mesh_layout import MeshLayout
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
@@ -73,6 +77,7 @@ class DemoOptions:
     out: str = "runs/demo"
     resume: bool = False
     overwrite: bool = False
+    mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
@@ -107,6 +112,8 @@ class DemoOptions:
             raise ValueError("--answer-regex applies to a --task file; the built-in task "
                              "scores exact matches")
         Reward(self.answer_regex)  # validates the regex
+        if self.mesh is not None:
+            MeshLayout.parse(self.mesh)
         out = pathlib.Path(self.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file, not a directory")
@@ -320,6 +327,9 @@ def run_demo(opts: DemoOptions) -> dict:
     """Runs (or resumes) the demo; returns the summary. See the module doc."""
     t_start = time.perf_counter()
     opts, run, record = _prepare(opts)
+    layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
+    if layout is not None:
+        layout.check_devices(jax.device_count())  # before any work
     task = _make_task(opts)
     start_version = None if record is None else latest_checkpoint_version(run.checkpoints)
     if start_version is None:  # a fresh run (or one killed before its first checkpoint)
@@ -340,6 +350,12 @@ def run_demo(opts: DemoOptions) -> dict:
                               stop_token_ids=tokenizer.stop_token_ids)
     state = TrainState.create(params, make_optimizer(), config=config,
                               lr_schedule=_lr_schedule(opts))
+    placement = None if layout is None else layout.build(
+        config, state, opts.prompts_per_step * opts.group_size)
+    if placement is not None:  # restore_checkpoint reads into the template's layout
+        state = placement.place_state(state)
+    devices = f"one ({jax.devices()[0]})" if placement is None else placement.describe()
+    tqdm.write(f"devices: {devices}")
     if start_version is None:
         save_checkpoint(run.checkpoints, state)
         rows, start_version = [], 0
@@ -349,7 +365,9 @@ def run_demo(opts: DemoOptions) -> dict:
         rows = run.read_rows(start_version)
         tqdm.write(f"resumed {run.path} at version {start_version}")
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
-                           backend=opts.backend, version=start_version)
+                           backend=opts.backend, version=start_version,
+                           **({} if placement is None else placement.engine_kwargs()))
+    step_fn = train_step if placement is None else placement.train_step
     seed_key = jax.random.key(opts.seed)
     if "sft_exact_match" not in record:
         record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
@@ -389,7 +407,8 @@ def run_demo(opts: DemoOptions) -> dict:
                 audit_failed += len(report.flagged)
             totals["audit_failed"] += audit_failed
             t1 = time.perf_counter()
-            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
+            new_state, m = step_fn(state, make_batch(batches, rewards), max_policy_lag=0)
+            sync_bytes = 0 if placement is None else placement.sync_bytes(new_state.params)
             ack = engine.sync_weights(new_state.params, new_state.version)
             train_s = time.perf_counter() - t1
             step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
@@ -408,6 +427,7 @@ def run_demo(opts: DemoOptions) -> dict:
                        invalidated_pages=ack.invalidated_pages,
                        audit_failed=audit_failed, generated_tokens=step_totals["generated"],
                        rollout_seconds=rollout_s, train_seconds=train_s,
+                       sync_bytes=sync_bytes, sync_seconds=ack.seconds,
                        sample=dict(prompt=example.prompt, completion=completion,
                                    answer=example.answer))
             with deferred_signals():  # the state and its metrics row move together
@@ -421,7 +441,8 @@ def run_demo(opts: DemoOptions) -> dict:
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
                 tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
-                           f"(answer {example.answer!r})")
+                           f"(answer {example.answer!r}); sync {sync_bytes / 2**10:.1f} KiB "
+                           f"moved in {ack.seconds * 1e3:.1f} ms")
             if int(state.version) % opts.checkpoint_every == 0:
                 with deferred_signals():
                     save_checkpoint(run.checkpoints, state)
@@ -449,6 +470,7 @@ def run_demo(opts: DemoOptions) -> dict:
         _plot(rows, run.path / PLOT, title, record["sft_exact_match"])
     window = max(1, min(10, len(rows) // 4))
     mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
+    syncs = [r for r in rows if "sync_seconds" in r]  # rows of runs before --mesh lack them
     return dict(
         task=task.name, policy=str(policy), steps_run=final_version - start_version,
         final_version=final_version, reward_first=mean("reward", rows[:window]),
@@ -460,4 +482,7 @@ def run_demo(opts: DemoOptions) -> dict:
         prompt_tokens=totals["prompt"], prefill_tokens_saved=totals["reused"],
         radix_cached_tokens=totals["cached"], audited_samples=totals["audited"],
         audit_failures=totals["audit_failed"], seconds=time.perf_counter() - t_start,
+        devices=devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),
+        sync_seconds_median=float(np.median([r["sync_seconds"] for r in syncs]))
+        if syncs else 0.0,
         out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)
