@@ -13,8 +13,9 @@ from jaxrl_cache.rl.audit import AuditReport, audit_attribution
 from jaxrl_cache.rl.checkpoint import (CheckpointError, latest_checkpoint_version,
                                        restore_checkpoint, save_checkpoint)
 from jaxrl_cache.rl.train import TrainBatch, TrainState, make_batch, make_optimizer, train_step
-from jaxrl_cache.rollout import (CacheConfig, RolloutBatch, RolloutEngine, Sample,
-                                 SamplingParams, SchedulerConfig, WeightAck)
+from jaxrl_cache.rollout import (CacheConfig, Produced, RolloutBatch, RolloutEngine,
+                                 RolloutWorker, Sample, SampleBuffer, SamplingParams,
+                                 SchedulerConfig, WeightAck)
 
 __all__ = [
     "AuditReport", "audit_attribution", "CheckpointError", "latest_checkpoint_version",
@@ -23,5 +24,6 @@ __all__ = [
     "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "DecoderLM",
     "ModelConfig", "forward", "from_pretrained", "init_params", "load_tokenizer",
     "save_pretrained", "CacheStats", "RadixCache", "SamplingParams", "TrainBatch",
-    "TrainState", "make_batch", "make_optimizer", "train_step",
+    "TrainState", "make_batch", "make_optimizer", "train_step", "Produced", "RolloutWorker",
+    "SampleBuffer",
 ]

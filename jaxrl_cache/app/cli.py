@@ -104,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
     add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
         help="attention backend [%(default)s]")
+    add("--async", dest="async_rollouts", action="store_true",
+        help="asynchronous RL: a rollout worker keeps generating while the trainer trains; "
+             "weight updates land between decode chunks (see --kv-policy) and every token "
+             "records the version that sampled it")
+    add("--kv-policy", choices=["recompute", "keep"], default=d.kv_policy,
+        help="with --async, what an update does to samples in flight: re-prefill them with "
+             "the new weights (strictly attributable) or keep their old KV (flagged mixed) "
+             "[%(default)s]")
+    add("--max-policy-lag", type=_natural_int, default=d.max_policy_lag,
+        help="with --async, the oldest token version a trained sample may have, in updates "
+             "behind the trainer; older rollouts are dropped and counted [%(default)s]")
     add("--mesh", metavar="trainer=T,engine=E", help="train and generate on "
         "disjoint device sets: the trainer FSDP over T devices (or DxF: data D x fsdp F), "
         "the rollout engine tensor-parallel over the next E; every weight sync reshards "
@@ -162,6 +173,10 @@ def _demo(args) -> int:
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),
         ("attribution audit", f"{s['audited_samples'] - s['audit_failures']:,} / "
                               f"{s['audited_samples']:,} samples reproduce their logprobs"),
+        ("mode", s["mode"] + ("" if s["mode"] == "sync" else
+                              f": {s['recomputed_tokens']:,} tokens recomputed, "
+                              f"{s['mixed_tokens']:,} mixed, {s['dropped_stale_calls']} stale "
+                              f"calls dropped, token staleness {s['staleness_histogram']}")),
         ("devices", s["devices"]),
         ("weight sync (trainer -> engine)",
          f"{s['sync_bytes'] / 2**10:,.1f} KiB moved, median {s['sync_seconds_median'] * 1e3:.1f}"

@@ -358,25 +358,28 @@ class RadixCache:
                 self._trie_epoch += 1
         return len(new_pages)
 
-    def invalidate_before(self, version: int) -> int:
+    def invalidate_before(self, version: int, *, held: bool = False) -> int:
         """Drops every entry of versions < `version` and frees their pages; returns how many.
 
         If a live request still holds any of those pages, raises PinnedPagesError and
         changes nothing: stale KV must never stay reachable behind a reported success.
+        held=True: such pages leave the trie (no lookup reaches them again) and stay with the
+        requests holding them until released (the engine's kv_policy "keep").
         """
         version = as_version(version)
-        return self._drop([v for v in self._roots if v < version], f"before {version}")
+        return self._drop([v for v in self._roots if v < version], f"before {version}",
+                          held=held)
 
     def clear(self) -> int:
         """Drops every version's entries (used after the KV pool itself was lost)."""
         return self._drop(list(self._roots), "(clear)")
 
-    def _drop(self, stale: list[int], what: str) -> int:
+    def _drop(self, stale: list[int], what: str, held: bool = False) -> int:
         if not stale:
             return 0
         pages = np.fromiter((p for v in stale for p in self._nodes[v]), np.int32)
         pinned = pages[self.pool.refcount[pages] > 1]
-        if pinned.size:
+        if pinned.size and not held:
             raise PinnedPagesError(
                 f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
@@ -390,13 +393,14 @@ class RadixCache:
             self._counters["invalidations"] += 1
         return int(pages.size)
 
-    def reconcile(self, keep_version: int) -> None:
-        """For a quiescent cache (no request holds a page): drops every namespace but
-        `keep_version` and rebuilds the pool from the trie (refcount 1 per trie page, every
+    def reconcile(self, keep_versions) -> None:
+        """For a quiescent cache (no request holds a page): drops every namespace not in
+        `keep_versions` and rebuilds the pool from the trie (refcount 1 per trie page, every
         other page free). Repairs whatever an interrupted caller left behind."""
+        keep = set(keep_versions)
         with deferred_signals():
             self._trie_epoch += 1
-            for v in [v for v in self._roots if v != keep_version]:
+            for v in [v for v in self._roots if v not in keep]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
                 del self._roots[v], self._nodes[v]

@@ -3,6 +3,7 @@ from jaxrl_cache.rollout.engine import RolloutEngine
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, RolloutBatch, Sample, SchedulerConfig,
                                        WeightAck)
+from jaxrl_cache.rollout.worker import Produced, RolloutWorker, SampleBuffer
 
 __all__ = ["RolloutEngine", "SamplingParams", "CacheConfig", "RolloutBatch", "Sample",
-           "SchedulerConfig", "WeightAck"]
+           "SchedulerConfig", "WeightAck", "Produced", "RolloutWorker", "SampleBuffer"]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.cache import CacheStats, RadixCache
+from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
@@ -69,13 +70,34 @@ def _check_rng(rng) -> None:
                         f"{rng.dtype}{list(rng.shape)}")
 
 
+KV_POLICIES = ("wait", "recompute", "keep")
+
+
 class RolloutEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig = CacheConfig(), *,
                  scheduler_config: SchedulerConfig = SchedulerConfig(), backend: str = "auto",
-                 version=0, device=None, mesh=None):
+                 version=0, device=None, mesh=None, kv_policy: str = "wait",
+                 max_policy_lag: int = 0):
         """mesh: a jax Mesh with a "tensor" axis (parallel.make_mesh): params and the KV pool
         are sharded tensor-parallel over it and syncs reshard into that layout; without one
-        the engine runs on `device` (default: the first device)."""
+        the engine runs on `device` (default: the first device).
+
+        kv_policy: what a weight sync does to a rollout in flight.
+          "wait" (synchronous): the sync waits for the whole rollout call; every sample has
+            one version.
+          "recompute": the sync waits for the current decode chunk only; running rows drop
+            their KV and re-prefill prompt + tokens so far with the new params before their
+            next token, so every token's logits and all KV it saw come from one version.
+          "keep" (PipelineRL-style): as recompute, but running rows keep their old KV; tokens
+            sampled over KV of another version are flagged (`Sample.mixed_tokens`).
+        max_policy_lag: prefix entries of the last max_policy_lag versions before the current
+        one stay cached (each reused only by requests of its own version; eviction takes the
+        oldest version first); a sync drops the versions that leave this window.
+        """
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        self.kv_policy = kv_policy
+        self.max_policy_lag = as_count(max_policy_lag, "max_policy_lag")
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config must be a ModelConfig, got "
                             f"{type(model_config).__name__}")
@@ -96,7 +118,9 @@ class RolloutEngine:
         self._check_pool_fits()
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
         self._weights = _Weights(as_version(version), None, ())
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one rollout step or sync at a time
+        self._call_lock = threading.Lock()  # asynchronous mode: one rollout call at a time
+        self._active: _Run | None = None  # asynchronous mode: the rollout call in flight
         self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
                                             jax.random.key(0))
         self._placement = self.device
@@ -196,15 +220,33 @@ class RolloutEngine:
 
     def _commit(self, staged: _Weights, start: float) -> WeightAck:
         previous = self._weights.version
-        with deferred_signals():  # invalidation and the commit land together
-            invalidated = self.cache.invalidate_before(self._cache_key(staged.version))
+        oldest = self._cache_key(max(staged.version - self.max_policy_lag, 0))
+        before = set(self.cache.versions())
+        with deferred_signals():  # the rollout's reaction, invalidation and commit land together
+            recomputed = 0
+            if self._active is not None:  # asynchronous mode, between two decode chunks
+                recomputed = self._active.on_update(staged)
+            invalidated = self.cache.invalidate_before(
+                oldest, held=self._active is not None and self.kv_policy == "keep")
             self._weights = staged  # the commit: one assignment
         return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
-                         tuple(self.cache.versions()))
+                         tuple(self.cache.versions()),
+                         tuple(sorted(before - set(self.cache.versions()))), recomputed)
+
+    def _window(self) -> tuple:
+        """Cache namespaces that may hold entries: the versions inside the lag window."""
+        v = self._weights.version
+        return tuple({self._cache_key(u) for u in range(max(v - self.max_policy_lag, 0), v + 1)})
 
     def _reconcile(self) -> None:
-        """Between calls: only the current version's entries, refcounts = trie references."""
-        self.cache.reconcile(keep_version=self._cache_key(self._weights.version))
+        """Between calls (no rollout in flight): only the window's entries, refcounts = trie
+        references. A call killed between its last step and its cleanup left `_active` set
+        with nobody running it: it is cleaned up here."""
+        if self._active is not None:
+            if self._call_lock.locked():
+                return  # a rollout is in flight; its rows hold pages
+            self._end_run(self._active)
+        self.cache.reconcile(keep_versions=self._window())
 
     def _check_params(self, params) -> None:
         want = jax.tree.structure(self._param_shapes)
@@ -233,18 +275,67 @@ class RolloutEngine:
         """
         version = as_version(version)
         prompts = self._check_request(prompts, sampling, rng)
-        return self._serialized(self._rollout, params, version, prompts, sampling, rng)
+
+        if self.kv_policy == "wait":
+            return self._serialized(self._rollout, params, version, prompts, sampling, rng)
+        return self._rollout_async(params, version, prompts, sampling, rng)
 
     def _rollout(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
+        """Synchronous mode: the whole call under the lock, committed at the end."""
         start = time.perf_counter()
         staged = self._stage(params, version)
         weights = staged or self._weights
         if staged is None and version != self._weights.version:
             raise VersionError(f"rollout at version {version} but the engine is at "
                                f"{self._weights.version}; versions only move forward")
-        batch = self._generate(weights, prompts, sampling, rng, start)
+        run = _Run(self, weights, prompts, sampling, rng)
+        try:
+            while not run.done:
+                run.step()
+        finally:
+            self._end_run(run)
         ack = None if staged is None else self._commit(staged, start)
-        return dataclasses.replace(batch, sync_ack=ack)
+        return run.batch(start, ack)
+
+    def _rollout_async(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
+        """Asynchronous mode: the lock is taken per step (admit, prefill, one decode chunk),
+        so a sync lands between chunks; `_commit` tells the run (`_Run.on_update`)."""
+        start = time.perf_counter()
+        with self._call_lock:
+            ack = None
+            if version > self._weights.version or self._weights.params is None:
+                ack = self.sync_weights(params, version)
+            run = self._serialized(self._start_run, params, version, prompts, sampling, rng)
+            try:
+                while not run.done:
+                    self._between_steps(run)
+                    self._serialized(run.step)
+            finally:
+                self._serialized(self._end_run, run)
+        return run.batch(start, ack)
+
+    def _start_run(self, params, version: int, prompts, sampling, rng) -> "_Run":
+        if self._active is not None:  # left by a call killed before its cleanup
+            self._end_run(self._active)
+        if self._stage(params, version) is not None or version != self._weights.version:
+            raise VersionError(f"rollout at version {version} but the engine is at "
+                               f"{self._weights.version}; versions only move forward")
+        self._active = _Run(self, self._weights, prompts, sampling, rng)
+        return self._active
+
+    def _between_steps(self, run: "_Run") -> None:
+        """Asynchronous mode: called between steps, outside the lock (tests override it to
+        force weight updates at chosen chunk boundaries)."""
+
+    def _end_run(self, run: "_Run") -> None:
+        """On the way out of a call (success or failure): the run's rows let go of their
+        pages; a pool lost to a failure after donation is rebuilt empty."""
+        run.release_all()
+        if self._active is run:
+            self._active = None
+        if any(x.is_deleted() for x in jax.tree.leaves(self._kv)):
+            self.cache.clear()
+            self._kv = self._fresh_pool()
 
     def _check_request(self, prompts, sampling: SamplingParams, rng) -> list[tuple]:
         if not isinstance(sampling, SamplingParams):
@@ -288,39 +379,24 @@ class RolloutEngine:
                 f"only {usable}; use a larger CacheConfig.num_pages or shorter requests")
         return out
 
-    # ------------------------------------------------------------------ generation
-    def _generate(self, weights: _Weights, prompts, sampling: SamplingParams, rng,
-                  start: float) -> RolloutBatch:
-        run = _Run(self, weights, prompts, sampling, rng)
-        try:
-            samples = run.loop()
-        finally:
-            run.release_all()
-            if any(x.is_deleted() for x in jax.tree.leaves(self._kv)):
-                # A failure after the pool was donated: its KV is gone, so is every entry.
-                self.cache.clear()
-                self._kv = self._fresh_pool()
-        prompt_tokens = sum(len(s.prompt_ids) for s in samples)
-        return RolloutBatch(
-            samples=samples, version=weights.version, sampling=sampling,
-            prefill_tokens=run.computed, reused_tokens=prompt_tokens - run.computed,
-            cached_tokens=sum(s.cached_tokens for s in samples), decode_steps=run.steps,
-            decode_chunks=run.chunks, prefill_launches=run.prefills,
-            seconds=time.perf_counter() - start)
-
     def cache_stats(self) -> CacheStats:
         return self._serialized(self.cache.stats)
 
 
 class _Run:
-    """One rollout call's scheduling loop (host state of the call; the engine owns the rest)."""
+    """One rollout call's scheduling loop (host state of the call; the engine owns the rest).
+
+    `step` is one round: admit (re-prefill rows whose KV a weight update dropped first, then
+    waiting samples), one packed prefill, one decode chunk. In asynchronous mode the engine
+    takes its lock per step and `on_update` may change the weights between two steps.
+    """
 
     def __init__(self, engine: RolloutEngine, weights: _Weights, prompts, sampling, rng):
         self.engine, self.weights, self.sampling, self.rng = engine, weights, sampling, rng
+        self.start_version = weights.version
         self.cache = engine.cache
         self.ps = engine.cache_config.page_size
         self.share = engine.cache_config.prefix_cache
-        self.key = engine._cache_key(weights.version)
         cfg = engine.scheduler_config
         self.slots: list = [None] * cfg.max_num_seqs
         n = sampling.n
@@ -331,20 +407,66 @@ class _Run:
                                 for p in prompts), 8)
         self.finished: dict[int, scheduler.Row] = {}
         self.computed = self.steps = self.chunks = self.prefills = 0
+        self.recomputed = 0  # context tokens re-prefilled after weight updates
+        self.updates = 0  # weight updates that landed while this call ran
         self.stops = np.full(next_power_of_2(max(1, len(sampling.stop_token_ids))), -1,
                              np.int32)
         self.stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
         self.knobs = sampling.as_arrays()
         self.fresh_logits = None
 
+    @property
+    def key(self) -> int:
+        """The radix namespace of the run's current version."""
+        return self.engine._cache_key(self.weights.version)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and all(r is None for r in self.slots)
+
+    def step(self) -> None:
+        self.weights = self.engine._weights if self.engine._active is self else self.weights
+        units = self.admit()
+        if units:
+            self.prefill(units)
+        elif all(r is None or r.resume for r in self.slots):
+            raise AssertionError("scheduler made no progress")  # the pre-check forbids it
+        self.decode()
+
+    def on_update(self, staged: _Weights) -> int:
+        """A weight sync landed between two steps (engine lock held). "recompute": every
+        running row lets go of its pages and will re-prefill its context with the new params
+        before its next token; returns the tokens that will be recomputed. "keep": nothing
+        to do, rows continue over their old KV (their next tokens are flagged mixed)."""
+        self.updates += 1
+        if self.engine.kv_policy != "recompute":
+            return 0
+        tokens = 0
+        for row in self.slots:
+            if row is not None and not row.resume:
+                self.cache.release(row.pages)
+                row.pages, row.resume, row.kv_now = np.zeros(0, np.int32), True, set()
+                tokens += len(row.context)
+        return tokens
+
     # ---- admission
     def admit(self) -> list[tuple[scheduler.Unit, list[int]]]:
-        """Admits waiting samples in order while slots and pages allow (one unit per prompt
-        run). Prompt pages of earlier units of this round are shared by later ones."""
+        """Re-prefills rows whose KV an update dropped, then admits waiting samples in order
+        while slots and pages allow (one unit per prompt run). Prompt pages of earlier units
+        of this round are shared by later ones."""
         cfg = self.engine.scheduler_config
-        free = [i for i, r in enumerate(self.slots) if r is None]
         units, budget, pending = [], cfg.max_prefill_tokens, {}
-        while self.waiting and free:
+        for slot, row in enumerate(self.slots):
+            if row is None or not row.resume:
+                continue
+            unit = self._try_resume(row, pending, budget if units else None)
+            if unit is None:
+                return units  # what does not fit waits; resumes go before new samples
+            units.append((unit, [slot]))
+            budget -= unit.new_tokens
+            self.recomputed += unit.new_tokens
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        while self.waiting and free and budget > 0:
             g, j = self.waiting[0]
             prompt = self.prompts[g]
             rows = 1
@@ -362,24 +484,58 @@ class _Run:
                 self.slots[slot] = row
             units.append((unit, taken))
             budget -= unit.new_tokens
-            if budget <= 0:
-                break
         return units
 
     def _try_unit(self, g, j, prompt, rows, pending, budget):
         """Matches, allocates and lays out a unit of up to `rows` samples (fewer if pages are
         short); None, changing nothing, if not even one fits now or the prefill budget of
         this round is spent (budget None: the round's first unit, always within budget)."""
-        cache, ps, n_new = self.cache, self.ps, self.sampling.max_new_tokens
-        head = prompt[:-1]  # the last prompt token is always computed: its logits start decode
+        n_new = self.sampling.max_new_tokens
+        got = self._claim(prompt, rows, n_new, pending, budget)
+        if got is None:
+            return None
+        matched, fresh, m = got
+        unit = scheduler.layout_unit(g, prompt, g * self.sampling.n + j, matched, fresh, m,
+                                     n_new, self.ps)
+        prefix = unit.rows[0].pages[:len(prompt) // self.ps]
+        for _ in range(m - 1):  # every row holds one reference to each of its prefix pages
+            self.cache.pool.incref(prefix)
+        for row in unit.rows:
+            row.kv_now, row.kv_versions = {self.weights.version}, {self.weights.version}
+        if self.share:
+            self._remember(pending, prompt, prefix)
+        return unit
+
+    def _try_resume(self, row: scheduler.Row, pending, budget):
+        """A one-row unit re-prefilling `row`'s context with the current params (None,
+        changing nothing, if it does not fit now)."""
+        context, remaining = row.context, self.sampling.max_new_tokens - len(row.tokens)
+        got = self._claim(context, 1, remaining, pending, budget)
+        if got is None:
+            return None
+        matched, fresh, _ = got
+        unit = scheduler.resume_unit(row, matched, fresh, self.sampling.max_new_tokens,
+                                     self.ps)
+        row.kv_now = {self.weights.version}
+        row.kv_versions.add(self.weights.version)
+        if self.share:
+            self._remember(pending, context, row.pages[:len(context) // self.ps])
+        return unit
+
+    def _claim(self, context, rows, n_new, pending, budget):
+        """Pins the cached prefix of `context` (trie, then this round's pending prefills) and
+        allocates fresh pages for up to `rows` rows generating up to n_new tokens each.
+        Returns (matched int32 [c], fresh int32 [f], rows granted) or None, changing nothing."""
+        cache, ps = self.cache, self.ps
+        head = context[:-1]  # the last token is always computed: its logits start decode
         in_trie = cache.peek(self.key, head) if self.share else 0
         extra = self._pending_pages(head, in_trie, pending)
         cached = (in_trie + extra.size) * ps
-        if budget is not None and len(prompt) - cached > budget:
+        if budget is not None and len(context) - cached > budget:
             return None
         available = cache.available_pages - in_trie  # pinning may take evictable pages
         for m in range(rows, 0, -1):
-            shared, own = scheduler.unit_page_need(len(prompt), cached, m, n_new, ps)
+            shared, own = scheduler.unit_page_need(len(context), cached, m, n_new, ps)
             if shared + m * own <= available:
                 break
         else:
@@ -392,14 +548,7 @@ class _Run:
         cache.pool.incref(extra)
         matched = np.concatenate([matches[0].pages if matches else np.zeros(0, np.int32),
                                   extra]).astype(np.int32)
-        unit = scheduler.layout_unit(g, prompt, g * self.sampling.n + j, matched, fresh, m,
-                                     n_new, ps)
-        prefix = unit.rows[0].pages[:len(prompt) // ps]
-        for _ in range(m - 1):  # every row holds one reference to each of its prefix pages
-            cache.pool.incref(prefix)
-        if self.share:
-            self._remember(pending, prompt, prefix)
-        return unit
+        return matched, fresh, m
 
     def _pending_pages(self, head, skip: int, pending) -> np.ndarray:
         """Pages of head's full pages beyond the first `skip` that earlier units of this round
@@ -459,35 +608,47 @@ class _Run:
         self.steps += int(steps)
         self.chunks += 1
         for i in scheduler.apply_chunk(self.slots, tokens, logprobs, counts, stopped,
-                                       self.sampling.max_new_tokens):
+                                       self.sampling.max_new_tokens, self.weights.version):
             self.retire(i)
 
     def retire(self, slot: int) -> None:
-        """Caches the row's full pages under the call's version, then drops its references."""
+        """Caches the row's full pages under the version that wrote all of their KV (none if
+        several did: kv_policy "keep"), then drops its references."""
         row = self.slots[slot]
-        if self.share:
+        (version,) = row.kv_now if len(row.kv_now) == 1 else (-1,)
+        if self.share and version >= self.weights.version - self.engine.max_policy_lag:
             seq = scheduler.written_tokens(row)
             full = len(seq) // self.ps
-            self.cache.insert(self.key, seq[:full * self.ps], row.pages[:full])
+            self.cache.insert(self.engine._cache_key(version), seq[:full * self.ps],
+                              row.pages[:full])
         self.slots[slot] = None
         self.finished[row.index] = row
         self.cache.release(row.pages)
 
-    def loop(self) -> list[Sample]:
-        while self.waiting or any(r is not None for r in self.slots):
-            units = self.admit()
-            if units:
-                self.prefill(units)
-            elif all(r is None for r in self.slots):
-                raise AssertionError("scheduler made no progress")  # the pre-check forbids it
-            self.decode()
-        v, n = self.weights.version, self.sampling.n
-        return [Sample(prompt_ids=r.prompt, output_ids=tuple(r.tokens),
-                       output_logprobs=np.asarray(r.logprobs, np.float32),
-                       behavior_version=v, token_versions=np.full(len(r.tokens), v, np.int64),
-                       cached_tokens=r.cached_tokens, finish_reason=r.finish_reason,
-                       group=r.group)
-                for r in (self.finished[i] for i in range(len(self.prompts) * n))]
+    def samples(self) -> list[Sample]:
+        out = []
+        for r in (self.finished[i] for i in range(len(self.prompts) * self.sampling.n)):
+            versions = np.asarray(r.token_versions, np.int64)
+            out.append(Sample(
+                prompt_ids=r.prompt, output_ids=tuple(r.tokens),
+                output_logprobs=np.asarray(r.logprobs, np.float32),
+                behavior_version=int(versions[0]), token_versions=versions,
+                cached_tokens=r.cached_tokens, finish_reason=r.finish_reason, group=r.group,
+                kv_versions=tuple(sorted(r.kv_versions)),
+                mixed_tokens=np.asarray(r.mixed, bool) if any(r.mixed) else None))
+        return out
+
+    def batch(self, start: float, ack: WeightAck | None) -> RolloutBatch:
+        samples = self.samples()
+        prompt_tokens = sum(len(s.prompt_ids) for s in samples)
+        fresh = self.computed - self.recomputed  # prompt tokens computed (not re-prefills)
+        return RolloutBatch(
+            samples=samples, version=self.start_version, sampling=self.sampling,
+            prefill_tokens=fresh, reused_tokens=prompt_tokens - fresh,
+            cached_tokens=sum(s.cached_tokens for s in samples), decode_steps=self.steps,
+            decode_chunks=self.chunks, prefill_launches=self.prefills,
+            seconds=time.perf_counter() - start, sync_ack=ack,
+            recomputed_tokens=self.recomputed, weight_updates=self.updates)
 
     def release_all(self) -> None:
         """On the way out (success or failure): drop every reference a running row holds."""

@@ -39,10 +39,21 @@ class Row:
     prompt: tuple
     pages: np.ndarray  # int32 [n] every page of its table
     cached_tokens: int  # prompt tokens whose KV came from the radix cache
-    fresh: bool = True  # first token still to be drawn from the prefill logits
+    fresh: bool = True  # next token still to be drawn from the prefill logits
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    # Asynchronous mode: versions may change between chunks while the row runs.
+    token_versions: list = dataclasses.field(default_factory=list)  # one per token
+    mixed: list = dataclasses.field(default_factory=list)  # bool per token (kv_policy keep)
+    kv_now: set = dataclasses.field(default_factory=set)  # versions that wrote its table's KV
+    kv_versions: set = dataclasses.field(default_factory=set)  # ... over the row's life
+    resume: bool = False  # its KV was dropped at a weight update: re-prefill before decoding
+
+    @property
+    def context(self) -> tuple:
+        """Prompt + every token emitted so far (what a resumed row re-prefills)."""
+        return self.prompt + tuple(self.tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +93,21 @@ def layout_unit(group: int, prompt: tuple, first_index: int, matched: np.ndarray
                     pages=np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]]),
                     cached_tokens=cached) for j in range(rows))
     return Unit(group=group, prompt=prompt, cached_tokens=cached, rows=out)
+
+
+def resume_unit(row: Row, matched: np.ndarray, fresh: np.ndarray, max_new_tokens: int,
+                page_size: int) -> Unit:
+    """A running row whose KV was dropped (kv_policy "recompute") as a one-row unit that
+    re-prefills its context (prompt + tokens so far) into a new table; the row then draws
+    its next token from that prefill's logits.
+
+    matched int32 [c] pinned radix pages of the context; fresh int32 [need] from the allocator.
+    """
+    context = row.context
+    laid = layout_unit(row.group, context, row.index, matched, fresh, 1,
+                       max_new_tokens - len(row.tokens), page_size)
+    row.pages, row.fresh, row.resume = laid.rows[0].pages, True, False
+    return dataclasses.replace(laid, rows=(row,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +180,12 @@ def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
     index = np.zeros(b, np.int32)
     emitted = np.zeros(b, np.int32)
     for i, row in enumerate(slots):
-        if row is None:
+        if row is None or row.resume:  # a row waiting to be re-prefilled does not decode
             continue
         n = len(row.tokens)
         fresh[i] = row.fresh
         last[i] = row.tokens[-1] if n else 0
-        pos[i] = len(row.prompt) + max(n - 1, 0)
+        pos[i] = len(row.prompt) + n - (0 if row.fresh else 1)
         table[i, :row.pages.size] = row.pages
         budget[i] = max_new_tokens - n
         index[i] = row.index
@@ -168,19 +194,26 @@ def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
 
 
 def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
-                stopped: np.ndarray, max_new_tokens: int) -> list[int]:
+                stopped: np.ndarray, max_new_tokens: int, version: int) -> list[int]:
     """Appends a chunk's output to its rows; returns the slots whose rows finished.
 
     tokens int32 [B, k], logprobs f32 [B, k], counts int32 [B] tokens emitted this chunk,
-    stopped bool [B] the last of them is a stop token.
+    stopped bool [B] the last of them is a stop token; version: the params' version that ran
+    the chunk (it sampled every token and wrote every KV entry of the chunk). A token is
+    mixed when the KV it attended to was written by any other version too.
     """
     done = []
     for i, row in enumerate(slots):
-        if row is None:
+        if row is None or row.resume:
             continue
         n = int(counts[i])
+        if n:
+            row.kv_now.add(version)
+            row.kv_versions.add(version)
         row.tokens.extend(tokens[i, :n].tolist())
         row.logprobs.extend(logprobs[i, :n].tolist())
+        row.token_versions.extend([version] * n)
+        row.mixed.extend([row.kv_now != {version}] * n)
         row.fresh = row.fresh and n == 0
         if stopped[i]:
             row.finish_reason = "stop"

@@ -74,7 +74,9 @@ class WeightAck:
     previous_version: int
     invalidated_pages: int
     seconds: float
-    cached_versions: tuple  # versions with prefix entries after the sync (only `version`)
+    cached_versions: tuple  # versions with prefix entries after the sync (the lag window)
+    dropped_versions: tuple = ()  # versions whose entries this sync dropped
+    recomputed_tokens: int = 0  # context tokens the rollout in flight will re-prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,8 @@ class RolloutBatch:
     prefill_launches: int
     seconds: float
     sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
+    recomputed_tokens: int = 0  # context tokens re-prefilled after in-flight weight updates
+    weight_updates: int = 0  # syncs that landed while this call ran (asynchronous mode)
 
     @property
     def generated_tokens(self) -> int:

@@ -1,0 +1,219 @@
+"""Asynchronous mode: weight updates land between decode chunks of a rollout in flight.
+
+The harness (`ForcedUpdates`) forces syncs at chosen step boundaries, deterministically, in
+one thread. References are dense forwards of each token's own version (tests/helpers.py).
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from tests.helpers import CONFIG, dense_logits, own_version_logprobs, varied_params
+
+PARAMS = [varied_params(s) for s in range(4)]
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13]]
+SCHED = SchedulerConfig(max_num_seqs=4, chunk_steps=4, max_prefill_tokens=256)
+
+
+class ForcedUpdates(RolloutEngine):
+    """Syncs PARAMS[v] as version v at the step boundaries listed in `updates`
+    ({step index: version}); records the acks."""
+
+    def __init__(self, *args, updates=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates, self.acks, self.step_index = dict(updates or {}), [], 0
+
+    def _between_steps(self, run):
+        version = self.updates.pop(self.step_index, None)
+        self.step_index += 1
+        if version is not None:
+            self.acks.append(self.sync_weights(PARAMS[version], version))
+
+
+def make_engine(policy, updates=None, lag=0, pages=64, sched=SCHED):
+    engine = ForcedUpdates(CONFIG, CacheConfig(num_pages=pages, page_size=4),
+                           scheduler_config=sched, backend="xla", kv_policy=policy,
+                           max_policy_lag=lag, updates=updates)
+    engine.sync_weights(PARAMS[0], 0)
+    return engine
+
+
+def per_token_logprobs(sample, sampling):
+    """What kv_policy "recompute" must reproduce: each token under its own version."""
+    return own_version_logprobs(sample, dict(enumerate(PARAMS)), sampling)
+
+
+def assert_clean(engine):
+    engine.cache.check_invariants()
+    trie = int(engine.cache._in_trie.sum())
+    assert engine.cache.pool.num_free + trie == engine.cache.pool.num_pages - 1
+    assert engine._active is None
+
+
+def test_recompute_greedy_follows_each_tokens_own_version():
+    greedy = SamplingParams(n=2, max_new_tokens=14, temperature=0.0)
+    engine = make_engine("recompute", updates={2: 1, 3: 2})
+    batch = engine.rollout(PARAMS[0], 0, PROMPTS, greedy, rng=jax.random.key(0))
+    assert batch.weight_updates == 2 and engine.version == 2
+    assert batch.recomputed_tokens > 0
+    assert [a.recomputed_tokens for a in engine.acks] == [a.recomputed_tokens
+                                                          for a in engine.acks]
+    for s in batch.samples:
+        versions = s.token_versions.tolist()
+        assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 2
+        assert s.behavior_version == 0 and s.kv_versions == (0, 1, 2)
+        assert s.mixed_tokens is None
+        # reference: greedy with the dense model, each token under its own version
+        seq = list(s.prompt_ids)
+        for tok, v in zip(s.output_ids, versions):
+            logits = dense_logits(PARAMS[v], CONFIG, seq)[-1]
+            assert tok == int(jnp.argmax(logits))
+            seq.append(tok)
+        np.testing.assert_allclose(s.output_logprobs, per_token_logprobs(s, greedy),
+                                   atol=2e-3)
+    assert_clean(engine)
+
+
+def test_recompute_sampled_logprobs_are_each_tokens_own_version():
+    sampling = SamplingParams(n=3, max_new_tokens=12, temperature=1.0, top_k=20)
+    engine = make_engine("recompute", updates={2: 1})
+    batch = engine.rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(3))
+    assert {int(v) for s in batch.samples for v in s.token_versions} == {0, 1}
+    for s in batch.samples:
+        np.testing.assert_allclose(s.output_logprobs, per_token_logprobs(s, sampling),
+                                   atol=2e-3)
+    assert_clean(engine)
+
+
+def test_keep_flags_tokens_sampled_over_old_kv():
+    greedy = SamplingParams(n=2, max_new_tokens=14, temperature=0.0)
+    engine = make_engine("keep", updates={2: 1})
+    batch = engine.rollout(PARAMS[0], 0, PROMPTS, greedy, rng=jax.random.key(0))
+    assert batch.recomputed_tokens == 0 and batch.weight_updates == 1
+    for s in batch.samples:
+        old = s.token_versions == 0
+        assert old.any() and (~old).any()
+        # tokens of version 1 attended KV written by version 0: every one is flagged
+        np.testing.assert_array_equal(s.mixed_tokens, ~old)
+        assert s.kv_versions == (0, 1)
+        # tokens before the update are exact under version 0
+        np.testing.assert_allclose(s.output_logprobs[old],
+                                   per_token_logprobs(s, greedy)[old], atol=2e-3)
+    assert_clean(engine)
+
+
+def test_no_update_in_flight_equals_the_synchronous_engine():
+    sampling = SamplingParams(n=2, max_new_tokens=10, temperature=1.0)
+    sync = make_engine("wait").rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(1))
+    for policy in ("recompute", "keep"):
+        batch = make_engine(policy).rollout(PARAMS[0], 0, PROMPTS, sampling,
+                                            rng=jax.random.key(1))
+        for a, b in zip(sync.samples, batch.samples):
+            assert a.output_ids == b.output_ids and a.kv_versions == b.kv_versions == (0,)
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+
+
+def test_a_sync_from_another_thread_waits_for_one_chunk_only():
+    """The trainer's sync lands inside the rollout call (between two of its chunks) and is
+    acknowledged while the call is still running."""
+    reached, synced = threading.Event(), threading.Event()
+
+    class Pausing(RolloutEngine):
+        steps = 0
+
+        def _between_steps(self, run):
+            self.steps += 1
+            if self.steps == 3:
+                reached.set()
+                assert synced.wait(120)
+
+    engine = Pausing(CONFIG, CacheConfig(num_pages=64, page_size=4), scheduler_config=SCHED,
+                     backend="xla", kv_policy="recompute")
+    engine.sync_weights(PARAMS[0], 0)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(batch=engine.rollout(
+        PARAMS[0], 0, PROMPTS, SamplingParams(n=2, max_new_tokens=16, temperature=0.0),
+        rng=jax.random.key(0))))
+    worker.start()
+    assert reached.wait(120)
+    ack = engine.sync_weights(PARAMS[1], 1)
+    assert worker.is_alive()  # acknowledged while the call is in flight
+    synced.set()
+    worker.join(120)
+    batch = result["batch"]
+    assert ack.version == 1 and ack.recomputed_tokens > 0 and batch.weight_updates == 1
+    assert all(s.token_versions[0] == 0 and s.token_versions[-1] == 1 for s in batch.samples)
+
+
+def test_the_lag_window_keeps_older_tries_each_for_its_own_version():
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=0.0)
+    engine = make_engine("recompute", lag=1)
+    engine.rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(0))
+    ack = engine.sync_weights(PARAMS[1], 1)
+    assert ack.cached_versions == (0,) and ack.dropped_versions == () and \
+        ack.invalidated_pages == 0
+    # version 1 never reads version 0's entries, even though they are cached
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    fresh = make_engine("recompute", lag=1)
+    fresh.sync_weights(PARAMS[1], 1)
+    alone = fresh.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    assert batch.prefill_tokens == alone.prefill_tokens == sum(map(len, PROMPTS)) - 8
+    assert [s.output_ids for s in batch.samples] == [s.output_ids for s in alone.samples]
+    assert engine.cache.versions() == [0, 1]
+    ack = engine.sync_weights(PARAMS[2], 2)
+    assert ack.dropped_versions == (0,) and ack.invalidated_pages > 0
+    assert ack.cached_versions == (1,)
+    assert_clean(engine)
+
+
+def test_the_oldest_version_is_evicted_first():
+    sampling = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+    engine = make_engine("recompute", lag=2, pages=24)
+    engine.rollout(PARAMS[0], 0, PROMPTS[:1], sampling, rng=jax.random.key(0))
+    engine.sync_weights(PARAMS[1], 1)
+    engine.rollout(PARAMS[1], 1, PROMPTS[:1], sampling, rng=jax.random.key(0))
+    engine.sync_weights(PARAMS[2], 2)
+    # 3 pages each for versions 0 and 1; a version-2 request needing 20 of the 23 usable
+    # pages evicts 3: all of version 0's
+    assert engine.cache.stats().cached_pages_by_version == {0: 3, 1: 3}
+    long = [list(range(1, 40))]
+    engine.rollout(PARAMS[2], 2, long, SamplingParams(n=1, max_new_tokens=42),
+                   rng=jax.random.key(0))
+    by_version = engine.cache.stats().cached_pages_by_version
+    assert by_version.get(0, 0) == 0 and by_version[1] == 3, by_version
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_failure_mid_call_releases_everything(policy, monkeypatch):
+    from jaxrl_cache.rollout import core
+    engine = make_engine(policy, updates={2: 1})
+    real, calls = core.decode_chunk, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "decode_chunk", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.rollout(PARAMS[0], 0, PROMPTS, SamplingParams(n=2, max_new_tokens=20),
+                       rng=jax.random.key(0))
+    assert engine.version == 1  # the sync inside the call was acknowledged: it stays
+    assert_clean(engine)
+    monkeypatch.setattr(core, "decode_chunk", real)
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, SamplingParams(n=2, max_new_tokens=8),
+                           rng=jax.random.key(0))
+    assert all((s.token_versions == 1).all() for s in batch.samples)
+    assert_clean(engine)
+
+
+def test_kv_policy_is_validated():
+    with pytest.raises(ValueError, match="kv_policy"):
+        RolloutEngine(CONFIG, kv_policy="sometimes")
+    with pytest.raises((TypeError, ValueError), match="max_policy_lag"):
+        RolloutEngine(CONFIG, max_policy_lag=-1)
