@@ -101,6 +101,19 @@ class TestUnits:
             cache.reconcile(keep_versions=[1.5])
         cache.check_invariants()
 
+    def test_pool_incref_counts_repeats_and_refuses_free_pages(self):
+        cache = RadixCache(8, PS)
+        pages = cache.alloc(2)
+        cache.pool.incref([pages[0], pages[0], pages[1]])
+        assert cache.pool.refcount[pages].tolist() == [3, 2]
+        before = cache.pool.refcount.copy()
+        with pytest.raises(ValueError, match="incref of free pages"):
+            cache.pool.incref([pages[0], 7])  # page 7 is free: nothing changes
+        np.testing.assert_array_equal(cache.pool.refcount, before)
+        cache.release([pages[0], pages[0], pages[0], pages[1], pages[1]])
+        assert cache.pool.num_free == 7
+        cache.check_invariants()
+
     def test_pool_exhaustion_raises_and_changes_nothing(self):
         cache = RadixCache(5, PS)
         m, held = run_request(cache, 0, list(range(8)), extra_pages=1)  # 3 pinned

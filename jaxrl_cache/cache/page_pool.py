@@ -70,11 +70,11 @@ class PagePool:
 
     def incref(self, pages: np.ndarray) -> None:
         """Adds one reference per entry; every page must already be held (refcount >= 1)."""
-        pages = as_page_ids(pages, self.num_pages)
-        if (self.refcount[pages] < 1).any():
-            raise ValueError(f"incref of free pages: {pages[self.refcount[pages] < 1]}")
+        pages = as_page_list(pages, self.num_pages)
+        if not self._held(pages):
+            raise ValueError(f"incref of free pages: {[p for p in pages if self._ref[p] < 1]}")
         with deferred_signals():
-            np.add.at(self.refcount, pages, 1)
+            self._incref_list(pages)
 
     def decref(self, pages: np.ndarray, *, distinct: bool = False) -> None:
         """Drops one reference per entry; pages reaching 0 become free. Repeats are allowed

@@ -281,8 +281,8 @@ class RadixCache:
     def _token_bytes(self, tokens: Sequence[int], name: str = "tokens") -> bytes:
         """int32 bytes of the full pages of `tokens`, built in one C-level pass (no per-token
         Python work); a tuple seen in the last few calls is not converted again, and one
-        that extends the tuple used last (prompt, then prompt + output) converts only its
-        new tail. Token ids must be
+        that extends the tuple used last (a prompt, then each prompt + output) converts only
+        its new tail. Token ids must be
         integers in [0, 2**31) (a sequence of bools is refused, as numpy types it bool)."""
         if type(tokens) is tuple:
             hit = self._recent.get(id(tokens))
@@ -303,7 +303,9 @@ class RadixCache:
                 if type(tokens) is tuple:
                     if len(self._recent) >= 8:
                         del self._recent[next(iter(self._recent))]
-                    self._last = self._recent[id(tokens)] = (tokens, data, full)
+                    self._recent[id(tokens)] = entry = (tokens, data, full)
+                    if not done:  # an extension leaves its base in place for its siblings
+                        self._last = entry
                 return full
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
