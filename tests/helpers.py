@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models.llama import ModelConfig, forward, init_params
+from jaxrl_cache.rl.train import teacher_forced_log_probs
 
 CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
 
@@ -21,6 +22,7 @@ def varied_params(seed: int, config: ModelConfig = CONFIG):
 
 
 _dense_forward = jax.jit(forward, static_argnums=1)
+_teacher_forced = jax.jit(teacher_forced_log_probs, static_argnums=1)
 
 
 def dense_logits(params, config, seq):
@@ -39,3 +41,20 @@ def dense_greedy(params, config, prompt, steps):
         logps.append(float(jax.nn.log_softmax(logits)[tok]))
         seq.append(tok)
     return seq[len(prompt):], logps
+
+
+def own_version_logprobs(sample, params_by_version, sampling, config: ModelConfig = CONFIG):
+    """f32 [T]: each output token's logprob under params_by_version[its token version], with
+    the whole context teacher-forced (the sampling distribution of `sampling`)."""
+    import numpy as np
+    seq = list(sample.prompt_ids + sample.output_ids)
+    padded = jnp.zeros((1, config.max_seq_len), jnp.int32).at[0, :len(seq)].set(
+        jnp.asarray(seq, jnp.int32))  # causal: the padding is invisible
+    p, t = len(sample.prompt_ids), len(sample.output_ids)
+    out = np.zeros(t, np.float32)
+    for v in np.unique(sample.token_versions):
+        logp = np.asarray(_teacher_forced(params_by_version[int(v)], config, padded,
+                                          **sampling.as_arrays()))[0, p - 1:p - 1 + t]
+        mask = sample.token_versions == v
+        out[mask] = logp[mask]
+    return out

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
-from jaxrl_cache.rl.train import teacher_forced_log_probs
-from tests.helpers import CONFIG, dense_logits, varied_params
+from tests.helpers import CONFIG, dense_logits, own_version_logprobs, varied_params
 
 PARAMS = [varied_params(s) for s in range(4)]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13]]
@@ -43,17 +42,8 @@ def make_engine(policy, updates=None, lag=0, pages=64, sched=SCHED):
 
 
 def per_token_logprobs(sample, sampling):
-    """Each output token's logprob under its own version's params with the whole context
-    (teacher-forced dense forward): what kv_policy "recompute" must reproduce."""
-    seq = jnp.asarray([sample.prompt_ids + sample.output_ids], jnp.int32)
-    p = len(sample.prompt_ids)
-    out = np.zeros(len(sample.output_ids), np.float32)
-    for v in np.unique(sample.token_versions):
-        logp = np.asarray(teacher_forced_log_probs(PARAMS[int(v)], CONFIG, seq,
-                                                   **sampling.as_arrays()))[0, p - 1:]
-        mask = sample.token_versions == v
-        out[mask] = logp[:len(sample.output_ids)][mask]
-    return out
+    """What kv_policy "recompute" must reproduce: each token under its own version."""
+    return own_version_logprobs(sample, dict(enumerate(PARAMS)), sampling)
 
 
 def assert_clean(engine):
@@ -181,16 +171,16 @@ def test_the_lag_window_keeps_older_tries_each_for_its_own_version():
 
 def test_the_oldest_version_is_evicted_first():
     sampling = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
-    engine = make_engine("recompute", lag=2, pages=24)
+    engine = make_engine("recompute", lag=2, pages=16)
     engine.rollout(PARAMS[0], 0, PROMPTS[:1], sampling, rng=jax.random.key(0))
     engine.sync_weights(PARAMS[1], 1)
     engine.rollout(PARAMS[1], 1, PROMPTS[:1], sampling, rng=jax.random.key(0))
     engine.sync_weights(PARAMS[2], 2)
-    # 3 pages each for versions 0 and 1; a version-2 request needing 20 of the 23 usable
-    # pages evicts 3: all of version 0's
+    # 3 cached pages each for versions 0 and 1, 9 free; two version-2 rows of 6 pages each
+    # need 3 evictions: version 0's pages go first
     assert engine.cache.stats().cached_pages_by_version == {0: 3, 1: 3}
-    long = [list(range(1, 40))]
-    engine.rollout(PARAMS[2], 2, long, SamplingParams(n=1, max_new_tokens=42),
+    prompts = [list(range(20, 36)), list(range(30, 46))]
+    engine.rollout(PARAMS[2], 2, prompts, SamplingParams(n=1, max_new_tokens=9),
                    rng=jax.random.key(0))
     by_version = engine.cache.stats().cached_pages_by_version
     assert by_version.get(0, 0) == 0 and by_version[1] == 3, by_version
@@ -227,3 +217,28 @@ def test_kv_policy_is_validated():
         RolloutEngine(CONFIG, kv_policy="sometimes")
     with pytest.raises((TypeError, ValueError), match="max_policy_lag"):
         RolloutEngine(CONFIG, max_policy_lag=-1)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_ctrl_c_between_chunks_leaves_a_clean_engine(policy):
+    """KeyboardInterrupt outside the lock, after an in-flight update: the call's pages are
+    released, the acknowledged version stays, and the next call runs normally."""
+
+    class Interrupted(ForcedUpdates):
+        def _between_steps(self, run):
+            super()._between_steps(run)
+            if self.step_index == 4:
+                raise KeyboardInterrupt
+
+    engine = Interrupted(CONFIG, CacheConfig(num_pages=64, page_size=4), scheduler_config=SCHED,
+                         backend="xla", kv_policy=policy, updates={2: 1})
+    engine.sync_weights(PARAMS[0], 0)
+    with pytest.raises(KeyboardInterrupt):
+        engine.rollout(PARAMS[0], 0, PROMPTS, SamplingParams(n=2, max_new_tokens=20),
+                       rng=jax.random.key(0))
+    assert engine.version == 1
+    assert_clean(engine)
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, SamplingParams(n=2, max_new_tokens=6),
+                           rng=jax.random.key(0))
+    assert all((s.token_versions == 1).all() for s in batch.samples)
+    assert_clean(engine)

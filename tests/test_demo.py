@@ -139,6 +139,21 @@ def test_demo_end_to_end_through_hf_directories_and_resume(tmp_path):
     assert rows[3]["lr"] == pytest.approx(float(schedule(3)))
 
 
+@pytest.mark.parametrize("policy", ["recompute", pytest.param("keep", marks=pytest.mark.slow)])
+def test_async_demo_trains_within_the_lag_and_audits_every_token(tmp_path, policy):
+    out = tmp_path / "async"
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), async_rollouts=True,
+                                             kv_policy=policy, **SMALL))
+    rows = read_rows(out)
+    assert summary["mode"] == f"async/{policy}" and summary["final_version"] == 3
+    assert summary["audit_failures"] == 0 and summary["audited_samples"] == 3 * 4 * 2
+    assert [r["version"] for r in rows] == [0, 1, 2]
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert summary["staleness_histogram"] and max(summary["staleness_histogram"]) <= 1
+    if policy == "recompute":
+        assert summary["mixed_tokens"] == 0
+
+
 def test_new_run_refuses_a_previous_run_unless_resume_or_overwrite(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -56,16 +56,19 @@ def test_buffer_drops_or_refuses_calls_beyond_the_lag():
         strict.get(1, trainer_version=4, timeout=0.01)
 
 
-def test_buffer_is_bounded_and_blocks_the_producer():
+def test_buffer_is_bounded_and_the_producer_waits_before_generating():
     buf = SampleBuffer(1, max_policy_lag=0)
+    assert buf.reserve()
     buf.put(fake(0, [[0]]))
     done = threading.Event()
-    producer = threading.Thread(target=lambda: (buf.put(fake(1, [[0]])), done.set()))
+    producer = threading.Thread(target=lambda: (buf.reserve(), done.set()))
     producer.start()
-    assert not done.wait(0.2)  # full: the producer waits
+    assert not done.wait(0.2)  # full: no place for another call yet
     assert [p.call for p in buf.get(1, 0)] == [0]
     assert done.wait(10)
     producer.join()
+    buf.close()
+    assert not buf.reserve()  # closed: the worker stops
 
 
 def test_worker_delivers_every_call_once_within_the_lag():

@@ -101,9 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
              "a kill -9 loses at most k steps) [%(default)s]")
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
         help="KV pool size in pages of 8 tokens [%(default)s]")
+    add("--chunk-steps", type=_positive_int, default=d.chunk_steps,
+        help="decode steps per on-device chunk; with --async, weight updates land between "
+             "chunks [%(default)s]")
     add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
     add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
         help="attention backend [%(default)s]")
+    add("--async", dest="async_rollouts", action="store_true",
+        help="asynchronous RL: a rollout worker keeps generating while the trainer trains; "
+             "weight updates land between decode chunks (see --kv-policy) and every token "
+             "records the version that sampled it")
+    add("--kv-policy", choices=["recompute", "keep"], default=d.kv_policy,
+        help="with --async, what an update does to samples in flight: re-prefill them with "
+             "the new weights (strictly attributable) or keep their old KV (flagged mixed) "
+             "[%(default)s]")
+    add("--max-policy-lag", type=_natural_int, default=d.max_policy_lag,
+        help="with --async, the oldest token version a trained sample may have, in updates "
+             "behind the trainer; older rollouts are dropped and counted [%(default)s]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options "
@@ -157,6 +171,10 @@ def _demo(args) -> int:
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),
         ("attribution audit", f"{s['audited_samples'] - s['audit_failures']:,} / "
                               f"{s['audited_samples']:,} samples reproduce their logprobs"),
+        ("mode", s["mode"] + ("" if s["mode"] == "sync" else
+                              f": {s['recomputed_tokens']:,} tokens recomputed, "
+                              f"{s['mixed_tokens']:,} mixed, {s['dropped_stale_calls']} stale "
+                              f"calls dropped, token staleness {s['staleness_histogram']}")),
         ("wall time", f"{s['seconds']:.1f} s"),
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
         ("exported policy (HF)", s["exported"]),

@@ -40,7 +40,7 @@ from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkp
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
-from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
 RUN_FILE, METRICS, CHECKPOINTS, PLOT = "run.json", "metrics.jsonl", "checkpoints", "demo.png"
 OUTPUTS = (RUN_FILE, METRICS, CHECKPOINTS, PLOT, "base_model", "sft_model", "final_model")
@@ -65,6 +65,7 @@ class DemoOptions:
     eval_prompts: int = 64
     checkpoint_every: int = 10
     kv_pages: int = 512
+    chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
     seed: int = 0
     backend: str = "auto"
     model: str | None = None
@@ -73,10 +74,13 @@ class DemoOptions:
     out: str = "runs/demo"
     resume: bool = False
     overwrite: bool = False
+    async_rollouts: bool = False  # a RolloutWorker generates while the trainer trains
+    kv_policy: str = "recompute"  # async: what an update does to rows in flight
+    max_policy_lag: int = 1  # async: oldest token version a trained sample may have
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
-                     "eval_prompts", "checkpoint_every", "kv_pages", "max_new_tokens",
+                     "eval_prompts", "checkpoint_every", "kv_pages", "chunk_steps", "max_new_tokens",
                      "sft_steps", "warmup_steps"):
             value = getattr(self, name)
             low = 0 if name in ("sft_steps", "warmup_steps") else 1
@@ -101,6 +105,13 @@ class DemoOptions:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {self.seed!r}")
+        if self.kv_policy not in ("recompute", "keep"):
+            raise ValueError(f"--kv-policy must be 'recompute' or 'keep', got "
+                             f"{self.kv_policy!r}")
+        if isinstance(self.max_policy_lag, bool) or not isinstance(self.max_policy_lag, int) \
+                or self.max_policy_lag < 0:
+            raise ValueError(f"--max-policy-lag must be an integer >= 0, got "
+                             f"{self.max_policy_lag!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if self.answer_regex is not None and self.task is None:
@@ -288,6 +299,55 @@ def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> 
                           == 1.0 for s in batch.samples]))
 
 
+class _SyncRollouts:
+    """Each step: rollout calls at the trainer's version, then train, then sync."""
+
+    def __init__(self, opts: DemoOptions, engine, sampling, prompts_of, seed_key):
+        self.opts, self.engine, self.sampling = opts, engine, sampling
+        self.prompts_of, self.seed_key = prompts_of, seed_key
+
+    def get(self, step: int, state) -> list[tuple[list, object]]:
+        """[(examples, RolloutBatch)] of this step's rollout calls."""
+        out = []
+        for i in range(self.opts.rollout_calls):
+            prompts, examples = self.prompts_of(step * self.opts.rollout_calls + i)
+            out.append((examples, self.engine.rollout(
+                state.params, int(state.version), prompts, self.sampling,
+                rng=jax.random.fold_in(self.seed_key, step * 1000 + i))))
+        return out
+
+    def publish(self, state):
+        return self.engine.sync_weights(state.params, state.version)
+
+    def close(self) -> dict:
+        return {}
+
+
+class _AsyncRollouts:
+    """A RolloutWorker generates the next calls while the trainer trains; weight updates
+    land between decode chunks (engine kv_policy); calls beyond the lag are dropped."""
+
+    def __init__(self, opts: DemoOptions, engine, sampling, prompts_of, seed_key, state):
+        from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
+        self.opts = opts
+        self.buffer = SampleBuffer(opts.rollout_calls, opts.max_policy_lag)
+        self.worker = RolloutWorker(engine, prompts_of, sampling, self.buffer,
+                                    rng=jax.random.fold_in(seed_key, 2**31 - 1))
+        self.worker.start(state.params, state.version)
+
+    def get(self, step: int, state) -> list[tuple[list, object]]:
+        items = self.buffer.get(self.opts.rollout_calls, int(state.version))
+        return [(item.meta, item.batch) for item in items]
+
+    def publish(self, state):
+        return self.worker.publish(state.params, state.version)
+
+    def close(self) -> dict:
+        self.worker.stop()
+        self.buffer.drain()  # generated ahead for steps that will not run
+        return self.buffer.metrics()
+
+
 def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -349,7 +409,10 @@ def run_demo(opts: DemoOptions) -> dict:
         rows = run.read_rows(start_version)
         tqdm.write(f"resumed {run.path} at version {start_version}")
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
-                           backend=opts.backend, version=start_version)
+                           scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
+                           backend=opts.backend, version=start_version,
+                           kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
+                           max_policy_lag=opts.max_policy_lag if opts.async_rollouts else 0)
     seed_key = jax.random.key(opts.seed)
     if "sft_exact_match" not in record:
         record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
@@ -361,37 +424,55 @@ def run_demo(opts: DemoOptions) -> dict:
 
     stop = _Stop()
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0)
+    totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0,
+                  mixed_tokens=0, recomputed=0)
     per_call = opts.prompts_per_step // opts.rollout_calls
+
+    def prompts_of(call: int):
+        """The call-th rollout call's prompts (and examples): step call // rollout_calls."""
+        step, part = divmod(call, opts.rollout_calls)
+        examples = task.sample(np.random.default_rng([opts.seed, 0, step]),
+                               opts.prompts_per_step)[part * per_call:(part + 1) * per_call]
+        return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
+
+    lag = opts.max_policy_lag if opts.async_rollouts else 0
+    params_by_version = {start_version: state.params}  # the versions inside the lag window
+    rollouts = (_AsyncRollouts(opts, engine, sampling, prompts_of, seed_key, state)
+                if opts.async_rollouts else
+                _SyncRollouts(opts, engine, sampling, prompts_of, seed_key))
+    buffer_metrics = {}
     saved_version = start_version
     bar = tqdm(range(start_version, opts.steps), initial=start_version, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
     try:
         for step in bar:
             version = int(state.version)
-            examples = task.sample(np.random.default_rng([opts.seed, 0, step]),
-                                   opts.prompts_per_step)
-            prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
-            t0 = time.perf_counter()
-            batches = [engine.rollout(state.params, version, prompts[i:i + per_call], sampling,
-                                      rng=jax.random.fold_in(seed_key, step * 1000 + i))
-                       for i in range(0, opts.prompts_per_step, per_call)]
+            t0 = time.perf_counter()  # the step's wall time runs from here to its metrics row
+            parts = rollouts.get(step, state)  # [(examples, RolloutBatch)]
+            batches = [b for _, b in parts]
             rollout_s = time.perf_counter() - t0
             texts, rewards = [], []
-            for first, b in zip(range(0, opts.prompts_per_step, per_call), batches):
+            for examples, b in parts:
                 for s in b.samples:
-                    texts.append((examples[first + s.group], tokenizer.decode(s.output_ids)))
+                    texts.append((examples[s.group], tokenizer.decode(s.output_ids)))
                     rewards.append(task.reward(texts[-1][1], texts[-1][0].answer))
-            audit_failed = 0
+            audit_failed = mixed = 0
             for b in batches:
-                report = audit_attribution(b, {version: state.params}, config)
+                report = audit_attribution(b, params_by_version, config)
                 totals["audited"] += report.num_samples
                 audit_failed += len(report.flagged)
+                mixed += sum(0 if s.mixed_tokens is None else int(s.mixed_tokens.sum())
+                             for s in b.samples)
             totals["audit_failed"] += audit_failed
+            totals["mixed_tokens"] += mixed
+            totals["recomputed"] += sum(b.recomputed_tokens for b in batches)
             t1 = time.perf_counter()
-            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=0)
-            ack = engine.sync_weights(new_state.params, new_state.version)
+            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=lag)
+            ack = rollouts.publish(new_state)
             train_s = time.perf_counter() - t1
+            params_by_version[int(new_state.version)] = new_state.params
+            for old in [v for v in params_by_version if v < int(new_state.version) - lag]:
+                del params_by_version[old]
             step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
                                generated=sum(b.generated_tokens for b in batches),
                                reused=sum(b.reused_tokens for b in batches),
@@ -407,7 +488,10 @@ def run_demo(opts: DemoOptions) -> dict:
                        clip_fraction=float(m["clip_fraction"]),
                        invalidated_pages=ack.invalidated_pages,
                        audit_failed=audit_failed, generated_tokens=step_totals["generated"],
+                       mixed_tokens=mixed,
+                       recomputed_tokens=sum(b.recomputed_tokens for b in batches),
                        rollout_seconds=rollout_s, train_seconds=train_s,
+                       step_seconds=time.perf_counter() - t0,
                        sample=dict(prompt=example.prompt, completion=completion,
                                    answer=example.answer))
             with deferred_signals():  # the state and its metrics row move together
@@ -431,6 +515,7 @@ def run_demo(opts: DemoOptions) -> dict:
                 break
     finally:
         bar.close()
+        buffer_metrics = rollouts.close()
         try:
             with deferred_signals():  # the final save completes even under a second Ctrl-C
                 if int(state.version) != saved_version:
@@ -460,4 +545,8 @@ def run_demo(opts: DemoOptions) -> dict:
         prompt_tokens=totals["prompt"], prefill_tokens_saved=totals["reused"],
         radix_cached_tokens=totals["cached"], audited_samples=totals["audited"],
         audit_failures=totals["audit_failed"], seconds=time.perf_counter() - t_start,
+        mode=("async/" + opts.kv_policy) if opts.async_rollouts else "sync",
+        mixed_tokens=totals["mixed_tokens"], recomputed_tokens=totals["recomputed"],
+        dropped_stale_calls=buffer_metrics.get("dropped_calls", 0),
+        staleness_histogram=buffer_metrics.get("staleness", {}),
         out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)

@@ -33,7 +33,7 @@ from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
-from jaxrl_cache.rollout import core, scheduler
+from jaxrl_cache.rollout import core, scheduler, text
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, RolloutBatch, Sample, SchedulerConfig,
                                        WeightAck)
@@ -77,7 +77,7 @@ class RolloutEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig = CacheConfig(), *,
                  scheduler_config: SchedulerConfig = SchedulerConfig(), backend: str = "auto",
                  version=0, device=None, mesh=None, kv_policy: str = "wait",
-                 max_policy_lag: int = 0):
+                 max_policy_lag: int = 0, tokenizer=None):
         """mesh: a jax Mesh with a "tensor" axis (parallel.make_mesh): params and the KV pool
         are sharded tensor-parallel over it and syncs reshard into that layout; without one
         the engine runs on `device` (default: the first device).
@@ -93,6 +93,8 @@ class RolloutEngine:
         max_policy_lag: prefix entries of the last max_policy_lag versions before the current
         one stay cached (each reused only by requests of its own version; eviction takes the
         oldest version first); a sync drops the versions that leave this window.
+        tokenizer: the model's (models.load_tokenizer): prompts may then be text or chat
+        messages, samples carry decoded text and SamplingParams.stop works (rollout/text.py).
         """
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
@@ -115,6 +117,7 @@ class RolloutEngine:
             raise ValueError("pass either device or mesh, not both")
         self.device = device or jax.devices()[0]
         self.mesh = mesh
+        self.tokenizer = text.check_tokenizer(tokenizer, model_config)  # text
         self._check_pool_fits()
         self.cache = RadixCache(cache_config.num_pages, cache_config.page_size)
         self._weights = _Weights(as_version(version), None, ())
@@ -271,9 +274,11 @@ class RolloutEngine:
         the current version proceeds (its params must be the ones synced); an older one
         raises VersionError. Bad input, and a single sample that can never fit the pool,
         raise before any work. Samples come back in prompt order, sample j of prompt g at
-        g * n + j; the same inputs and rng give the same samples.
+        g * n + j; the same inputs and rng give the same samples. With a tokenizer a prompt
+        may also be a str or a list of chat messages (converted to ids first).
         """
         version = as_version(version)
+        prompts = text.encode_prompts(self.tokenizer, prompts, sampling)  # text
         prompts = self._check_request(prompts, sampling, rng)
 
         if self.kv_policy == "wait":
@@ -303,7 +308,7 @@ class RolloutEngine:
         start = time.perf_counter()
         with self._call_lock:
             ack = None
-            if version > self._weights.version:
+            if version > self._weights.version or self._weights.params is None:
                 ack = self.sync_weights(params, version)
             run = self._serialized(self._start_run, params, version, prompts, sampling, rng)
             try:
@@ -414,6 +419,8 @@ class _Run:
         self.stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
         self.knobs = sampling.as_arrays()
         self.fresh_logits = None
+        tok = engine.tokenizer  # text: decoded outputs, stop strings
+        self.text = None if tok is None else text.RowText(tok, sampling)
 
     @property
     def key(self) -> int:
@@ -607,8 +614,11 @@ class _Run:
         tokens, logprobs, counts, stopped, steps = jax.device_get(host)
         self.steps += int(steps)
         self.chunks += 1
-        for i in scheduler.apply_chunk(self.slots, tokens, logprobs, counts, stopped,
-                                       self.sampling.max_new_tokens, self.weights.version):
+        done = scheduler.apply_chunk(self.slots, tokens, logprobs, counts, stopped,
+                                     self.sampling.max_new_tokens, self.weights.version)
+        if self.text is not None:  # text: stop strings cut rows before they retire
+            done = self.text.stop_rows(self.slots, done)
+        for i in done:
             self.retire(i)
 
     def retire(self, slot: int) -> None:
@@ -635,7 +645,8 @@ class _Run:
                 behavior_version=int(versions[0]), token_versions=versions,
                 cached_tokens=r.cached_tokens, finish_reason=r.finish_reason, group=r.group,
                 kv_versions=tuple(sorted(r.kv_versions)),
-                mixed_tokens=np.asarray(r.mixed, bool) if any(r.mixed) else None))
+                mixed_tokens=np.asarray(r.mixed, bool) if any(r.mixed) else None,
+                text=None if self.text is None else self.text.sample_text(r)))  # text
         return out
 
     def batch(self, start: float, ack: WeightAck | None) -> RolloutBatch:

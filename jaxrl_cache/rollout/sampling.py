@@ -25,11 +25,17 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
+    # Stop strings (rollout/text.py; the engine needs a tokenizer): a sample ends at the
+    # output token whose decoded text first contains one. Its tokens keep that token (what
+    # was sampled); its text ends before the stop string unless include_stop_str_in_output.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         """Checks and normalises every knob (numpy scalars become Python numbers): integers
         must be real integers (not bools, not 2.5), reals finite. Stop ids must be a sequence
-        of non-negative integers; the engine checks them against its vocabulary."""
+        of non-negative integers; the engine checks them against its vocabulary. Stop strings
+        must be a sequence (not a bare str) of non-empty strings."""
         norm = dict(n=as_count(self.n, "n", minimum=1),
                     max_new_tokens=as_count(self.max_new_tokens, "max_new_tokens", minimum=1),
                     temperature=as_real(self.temperature, "temperature", minimum=0.0),
@@ -42,6 +48,21 @@ class SamplingParams:
                             f"{type(stops).__name__} {stops!r:.80}")
         norm["stop_token_ids"] = tuple(as_count(t, f"stop_token_ids[{i}]")
                                        for i, t in enumerate(stops))
+        texts = self.stop
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+            raise TypeError(f"stop must be a sequence of strings (stop=('\\n\\n',)), got "
+                            f"{type(texts).__name__} {texts!r:.80}")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"stop[{i}] must be a str, got {type(t).__name__} {t!r:.80}")
+            if not t:
+                raise ValueError(f"stop[{i}] is an empty string (it would match before any "
+                                 f"token)")
+        norm["stop"] = tuple(texts)
+        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+            raise TypeError(f"include_stop_str_in_output must be a bool, got "
+                            f"{type(self.include_stop_str_in_output).__name__}")
+        norm["include_stop_str_in_output"] = bool(self.include_stop_str_in_output)
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

@@ -224,6 +224,13 @@ def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: n
     return done
 
 
+def keep_tokens(row: Row, n: int) -> None:
+    """Drops the row's output past its first n tokens, with every per-token record (a stop
+    string found by the host after the chunk ran past it)."""
+    for per_token in (row.tokens, row.logprobs, row.token_versions, row.mixed):
+        del per_token[n:]
+
+
 def written_tokens(row: Row) -> tuple:
     """Tokens whose KV the row's pages hold: prompt + every output token but the last."""
     return row.prompt + tuple(row.tokens[:-1])

@@ -51,7 +51,8 @@ class Sample:
     behavior_version: int
     token_versions: np.ndarray  # int64 [len(output_ids)] version that produced each token
     cached_tokens: int  # prompt tokens whose KV came from the radix cache
-    finish_reason: str  # "stop" (a stop token, included) or "length"
+    finish_reason: str  # "stop" (a stop token or a stop string, its completing token
+    #                     included) or "length"
     group: int  # index of the prompt in the rollout call
     # Asynchronous mode (engine kv_policy "recompute"/"keep"): weights may change between
     # decode chunks while the sample runs. behavior_version is then the version of its first
@@ -60,6 +61,8 @@ class Sample:
     #                          (() = only behavior_version: the synchronous case)
     mixed_tokens: np.ndarray | None = None  # bool [len(output_ids)]: token t attended KV
     #   written by a version other than token_versions[t] (kv_policy="keep" only); None = none
+    text: str | None = None  # decoded output_ids (engine with a tokenizer), cut at the stop
+    #                          string that ended it (rollout/text.py); None without one
 
     @property
     def oldest_version(self) -> int:

@@ -4,7 +4,7 @@ The worker thread calls `engine.rollout` back to back at the latest published ve
 trainer draws finished calls from the buffer, trains, and `publish`es the new params, which
 syncs the engine between two decode chunks of the call in flight (engine kv_policy
 "recompute" or "keep"). Staleness is bounded twice: the buffer is bounded (the worker waits
-while it is full) and a drawn call whose oldest token lags the trainer by more than
+for a free place before it starts a call) and a drawn call whose oldest token lags the trainer by more than
 `max_policy_lag` is dropped (counted) or refused (StalenessError), as configured.
 
 Every call the worker starts is delivered exactly once: drawn, dropped as stale (counted),
@@ -54,16 +54,28 @@ class SampleBuffer:
         self._items: collections.deque[Produced] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._reserved = 0  # calls being generated for a place already set aside
         self._error: BaseException | None = None
         self.produced = self.consumed = 0
         self.dropped_calls = self.dropped_samples = 0
         self.staleness = collections.Counter()  # trainer version - token version, per token
 
-    def put(self, item: Produced, *, wait: bool = True) -> None:
-        """Appends; waits while full unless wait=False or the buffer is closed."""
+    def reserve(self) -> bool:
+        """Waits for a free place and sets it aside for the call about to be generated (so
+        the worker never generates a call nobody will take while it is fresh); False once
+        the buffer is closed."""
         with self._cond:
-            while wait and not self._closed and len(self._items) >= self.capacity:
+            while not self._closed and len(self._items) + self._reserved >= self.capacity:
                 self._cond.wait()
+            if self._closed:
+                return False
+            self._reserved += 1
+            return True
+
+    def put(self, item: Produced) -> None:
+        """Appends a call generated for a reserved place (or any call once closed)."""
+        with self._cond:
+            self._reserved = max(self._reserved - 1, 0)
             self._items.append(item)
             self.produced += 1
             self._cond.notify_all()
@@ -161,7 +173,7 @@ class RolloutWorker:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.buffer.reserve():
                 prompts, meta = self.source(self.calls)
                 batch = self._rollout(prompts)
                 self.buffer.put(Produced(self.calls, batch, meta))
@@ -185,7 +197,7 @@ class RolloutWorker:
         """Lets the call in flight finish and land in the buffer, then stops the thread;
         raises the worker's error if it failed."""
         self._stop.set()
-        self.buffer.close()  # a worker waiting on a full buffer appends and exits
+        self.buffer.close()  # a worker waiting for a place exits; one generating puts its call
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
