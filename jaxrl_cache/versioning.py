@@ -21,6 +21,8 @@ def as_version(value, name: str = "version") -> int:
 
     Raises TypeError for bools, floats and other non-integers, VersionError outside the range.
     """
+    if type(value) is int and 0 <= value <= MAX_VERSION:  # the common case, checked first
+        return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got bool {value!r}")
     if not isinstance(value, numbers.Integral):

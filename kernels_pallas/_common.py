@@ -75,6 +75,24 @@ def flatten_pool(pages, layer):
     return pages.reshape((num_layers * num_pages,) + pages.shape[2:]), layer * num_pages
 
 
+def gather_kv(k_pages, v_pages, page_table):
+    """The pages of each table row as f32 operands laid out for CPU matmuls (the xla paths).
+
+    k_pages, v_pages [N, Hkv, ps, D] flat pools; page_table int32 [R, W] (already offset) ->
+    k [R, Hkv, D, W * ps] (keys transposed: q @ k contracts k's rows, no transposed-operand
+    matmul), v [R, Hkv, W * ps, D] (gathered as (page, head) rows of [ps, D], no transpose).
+    """
+    rows, width = page_table.shape
+    _, num_kv_heads, page_size, head_dim = k_pages.shape
+    k = jnp.transpose(k_pages[page_table], (0, 2, 4, 1, 3))  # [R, Hkv, D, W, ps]
+    k = k.reshape(rows, num_kv_heads, head_dim, width * page_size)
+    head_rows = page_table[:, None, :] * num_kv_heads + jnp.arange(num_kv_heads,
+                                                                     dtype=jnp.int32)[:, None]
+    v = v_pages.reshape(-1, page_size, head_dim)[head_rows]  # [R, Hkv, W, ps, D]
+    v = v.reshape(rows, num_kv_heads, width * page_size, head_dim)
+    return k.astype(jnp.float32), v.astype(jnp.float32)
+
+
 def check_kernel_shapes(page_size: int, head_dim: int) -> None:
     """The Triton lowering needs power-of-2 blocks: pages are loaded whole, head_dim in
     power-of-two chunks of at least 16 (80 = 64 + 16, 96 = 64 + 32)."""

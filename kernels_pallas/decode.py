@@ -221,22 +221,16 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     backend (the fast CPU path); it gathers the table's pages of one layer, never the layer.
     """
     batch, num_q_heads, head_dim = q.shape
-    *_, num_kv_heads, page_size, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[-3]
     k_pages, page_offset = c.flatten_pool(k_pages, layer)
     v_pages, _ = c.flatten_pool(v_pages, layer)
     page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
-
-    def gather(pages):  # -> [B, Hkv, W * page_size, D]
-        x = pages[page_table]  # [B, W, Hkv, ps, D]
-        x = jnp.swapaxes(x, 1, 2)
-        return x.reshape(batch, num_kv_heads, -1, head_dim)
-
-    k, v = gather(k_pages).astype(jnp.float32), gather(v_pages).astype(jnp.float32)
+    k, v = c.gather_kv(k_pages, v_pages, page_table)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bhld->bhgl", qg, k, preferred_element_type=jnp.float32) * scale
-    valid = jnp.arange(k.shape[2])[None, :] < seq_lens[:, None]  # [B, L]
+    s = jnp.einsum("bhgd,bhdl->bhgl", qg, k, preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(v.shape[2])[None, :] < seq_lens[:, None]  # [B, L]
     s = jnp.where(valid[:, None, None, :], s, c.MASK_VALUE)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))
     p = jnp.where(valid[:, None, None, :], p, 0.0)

@@ -176,7 +176,7 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     Shapes as `paged_prefill_attention`; gathers the table's pages of one layer, never the layer.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    *_, num_kv_heads, page_size, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[-3]
     k_pages, page_offset = c.flatten_pool(k_pages, layer)
     v_pages, _ = c.flatten_pool(v_pages, layer)
     page_table = page_table + page_offset
@@ -186,17 +186,13 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
 
-    def gather(pages):  # -> [NT, Hkv, W * ps, D] f32
-        x = pages[page_table[tile_seq]]  # [NT, W, Hkv, ps, D]
-        return jnp.swapaxes(x, 1, 2).reshape(num_tiles, num_kv_heads, -1, head_dim).astype(
-            jnp.float32)
-
-    k, v = gather(k_pages), gather(v_pages)
+    # k [NT, Hkv, D, L], v [NT, Hkv, L, D]
+    k, v = c.gather_kv(k_pages, v_pages, page_table[tile_seq])
     qt = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src].astype(jnp.float32)  # [NT, bq, Hq, D]
     qt = qt.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
-    s = jnp.einsum("tqhgd,thkd->thgqk", qt, k) * scale  # [NT, Hkv, G, bq, L]
+    s = jnp.einsum("tqhgd,thdk->thgqk", qt, k) * scale  # [NT, Hkv, G, bq, L]
     row_pos = q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [NT, bq]
-    col = jnp.arange(k.shape[2])
+    col = jnp.arange(v.shape[2])
     mask = (col[None, None, :] <= row_pos[:, :, None]) & (col[None, None, :] < kv_len[:, None,
                                                                                        None])
     mask = mask[:, None, None]  # [NT, 1, 1, bq, L]

@@ -48,18 +48,10 @@ def scenario():
 
 
 def snapshot(cache, *leases):
-    trie = set()
-
-    def walk(node, path, v):
-        for chunk, child in node.children.items():
-            trie.add((v, path + (chunk,), child.page, child.last_access))
-            walk(child, path + (chunk,), v)
-
-    for v, root in cache._roots.items():
-        walk(root, (), v)
+    trie = frozenset(cache.page_entries())
     pool = cache.pool
     return (cache.pool.refcount.tobytes(), sorted(pool._free[:pool.num_free].tolist()),
-            cache._in_trie.tobytes(), frozenset(trie), tuple(cache._counters.items()),
+            cache._in_trie.tobytes(), trie, tuple(cache._counters.items()),
             tuple(tuple(sorted(lease.pages.tolist())) for lease in leases))
 
 

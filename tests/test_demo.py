@@ -279,6 +279,10 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
     (["demo", "--resume", "--overwrite"], "exclude each other"),
     (["demo", "--answer-regex", "x"], "applies to a --task file"),
     (["demo", "--task", "/nonexistent.jsonl"], "no such file"),
+    (["demo", "--mesh", "trainer=4"], "needs both trainer and engine"),
+    (["demo", "--mesh", "gpus=8"], "cannot read 'gpus=8'; expected trainer=F or trainer=DxF"),
+    (["demo", "--mesh", "trainer=0,engine=4"], "every size must be >= 1"),
+    (["demo", "--mesh", "trainer=2,engine=2,engine=4"], "engine given twice"),
     (["nope"], "invalid choice"),
 ])
 def test_cli_bad_flags_give_one_line(argv, message, capsys):
@@ -301,6 +305,23 @@ def test_cli_out_is_a_file_and_pool_too_small_give_one_line(tmp_path, capsys):
                      "--sft-steps", "0", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "KV pages" in err and "\n" not in err and "Traceback" not in err
+
+
+def test_mesh_layout_syntax():
+    assert demo.MeshLayout.parse("trainer=4,engine=4") == demo.MeshLayout(1, 4, 4)
+    layout = demo.MeshLayout.parse(" engine=2 , trainer=2x3")
+    assert layout == demo.MeshLayout(data=2, fsdp=3, tensor=2)
+    assert demo.MeshLayout.parse(str(layout)) == layout and str(layout) == \
+        "trainer=2x3,engine=2"
+
+
+def test_cli_mesh_without_enough_devices_gives_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["demo", "--mesh", "trainer=2x2,engine=4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--mesh trainer=2x2,engine=4: needs 4 + 4 devices, 1 available" in err
+    assert "xla_force_host_platform_device_count=8" in err and "\n" not in err
+    assert not out.exists()
 
 
 def test_cli_help_documents_every_flag(capsys):

@@ -67,6 +67,53 @@ class TestUnits:
         cache.release(fresh)
         cache.check_invariants()
 
+    def test_eviction_takes_the_oldest_version_first_then_lru(self):
+        cache = RadixCache(8, PS)  # 7 usable pages
+        _, new = run_request(cache, 1, toks([1] * 4, [2] * 4))  # version 1, used first
+        cache.release(new)
+        _, old = run_request(cache, 0, toks([3] * 4, [4] * 4))  # version 0, used last
+        cache.release(old)
+        _, old2 = run_request(cache, 0, toks([5] * 4))  # version 0, most recent of all
+        cache.release(old2)
+        assert cache.evict(2) == 2  # version 0's least recently used path, leaf first
+        assert cache.peek(0, toks([3] * 4, [4] * 4)) == 0 and cache.peek(0, [5] * 4) == 1
+        assert cache.evict(1) == 1  # version 0's last page before any of version 1
+        assert cache.stats().cached_pages_by_version == {0: 0, 1: 2}
+        assert cache.evict(1) == 1 and cache.peek(1, toks([1] * 4, [2] * 4)) == 1
+        cache.check_invariants()
+
+    def test_reconcile_keeps_every_listed_namespace(self):
+        cache = RadixCache(16, PS)
+        for v in (0, 1, 2):
+            _, held = run_request(cache, v, toks([v] * 4, [9] * 4))
+            cache.release(held)
+        live = cache.match(2, [2] * 4)  # a reference an interrupted caller left behind
+        cache.reconcile(keep_versions=(0, 2))
+        assert cache.versions() == [0, 2]
+        assert cache.stats().cached_pages_by_version == {0: 2, 2: 2}
+        assert cache.stats().in_use_pages == 0 and live.num_tokens == 4  # refcounts rebuilt
+        assert cache.pool.num_free == 15 - 4
+        cache.reconcile(keep_versions=())
+        assert cache.versions() == [] and cache.pool.num_free == 15
+        with pytest.raises(TypeError, match="keep_versions"):
+            cache.reconcile(keep_versions=2)
+        with pytest.raises(TypeError, match="keep_versions"):
+            cache.reconcile(keep_versions=[1.5])
+        cache.check_invariants()
+
+    def test_pool_incref_counts_repeats_and_refuses_free_pages(self):
+        cache = RadixCache(8, PS)
+        pages = cache.alloc(2)
+        cache.pool.incref([pages[0], pages[0], pages[1]])
+        assert cache.pool.refcount[pages].tolist() == [3, 2]
+        before = cache.pool.refcount.copy()
+        with pytest.raises(ValueError, match="incref of free pages"):
+            cache.pool.incref([pages[0], 7])  # page 7 is free: nothing changes
+        np.testing.assert_array_equal(cache.pool.refcount, before)
+        cache.release([pages[0], pages[0], pages[0], pages[1], pages[1]])
+        assert cache.pool.num_free == 7
+        cache.check_invariants()
+
     def test_pool_exhaustion_raises_and_changes_nothing(self):
         cache = RadixCache(5, PS)
         m, held = run_request(cache, 0, list(range(8)), extra_pages=1)  # 3 pinned

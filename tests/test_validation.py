@@ -280,8 +280,7 @@ def test_junk_checkpoint_entry_points(state, saved, which, value):
 
 
 def cache_state(cache, lease):
-    nodes = sorted((v, p, n.chunk, n.last_access) for v, d in cache._nodes.items()
-                   for p, n in d.items())
+    nodes = cache.page_entries()
     return (cache.pool.refcount.tobytes(), cache.pool.num_free, cache._in_trie.tobytes(),
             nodes, tuple(cache._counters.items()), len(lease))
 

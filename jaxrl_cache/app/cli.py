@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-policy-lag", type=_natural_int, default=d.max_policy_lag,
         help="with --async, the oldest token version a trained sample may have, in updates "
              "behind the trainer; older rollouts are dropped and counted [%(default)s]")
+    add("--mesh", metavar="trainer=T,engine=E", help="train and generate on "
+        "disjoint device sets: the trainer FSDP over T devices (or DxF: data D x fsdp F), "
+        "the rollout engine tensor-parallel over the next E; every weight sync reshards "
+        "between them (bytes and time per sync are reported). On CPU, simulate devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 [one device]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options "
@@ -175,6 +180,10 @@ def _demo(args) -> int:
                               f": {s['recomputed_tokens']:,} tokens recomputed, "
                               f"{s['mixed_tokens']:,} mixed, {s['dropped_stale_calls']} stale "
                               f"calls dropped, token staleness {s['staleness_histogram']}")),
+        ("devices", s["devices"]),
+        ("weight sync (trainer -> engine)",
+         f"{s['sync_bytes'] / 2**10:,.1f} KiB moved, median {s['sync_seconds_median'] * 1e3:.1f}"
+         f" ms per sync ({s['syncs']} syncs)"),
         ("wall time", f"{s['seconds']:.1f} s"),
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
         ("exported policy (HF)", s["exported"]),

@@ -10,6 +10,9 @@
 4. Checkpoints every `--checkpoint-every` steps, at the end, and on Ctrl-C/SIGTERM (the save
    itself defers signals); `--resume` continues exactly; the final policy is exported with
    `save_pretrained` to `out/final_model`.
+5. `--mesh trainer=T,engine=E` (app/mesh_layout.py): the trainer (FSDP) and the engine
+   (tensor parallel) on disjoint device sets; each sync reshards the trainer's params into
+   the engine's layout (bytes moved and seconds per sync in metrics.jsonl and the summary).
 
 Files in `out`: run.json (options, written first), metrics.jsonl, checkpoints/,
 base_model/, sft_model/, final_model/, demo.png. A directory holding a run is refused
@@ -31,6 +34,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from jaxrl_cache.app.mesh_layout import MeshLayout
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
@@ -77,6 +81,7 @@ class DemoOptions:
     async_rollouts: bool = False  # a RolloutWorker generates while the trainer trains
     kv_policy: str = "recompute"  # async: what an update does to rows in flight
     max_policy_lag: int = 1  # async: oldest token version a trained sample may have
+    mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
@@ -118,6 +123,8 @@ class DemoOptions:
             raise ValueError("--answer-regex applies to a --task file; the built-in task "
                              "scores exact matches")
         Reward(self.answer_regex)  # validates the regex
+        if self.mesh is not None:
+            MeshLayout.parse(self.mesh)
         out = pathlib.Path(self.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file, not a directory")
@@ -380,6 +387,9 @@ def run_demo(opts: DemoOptions) -> dict:
     """Runs (or resumes) the demo; returns the summary. See the module doc."""
     t_start = time.perf_counter()
     opts, run, record = _prepare(opts)
+    layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
+    if layout is not None:
+        layout.check_devices(jax.device_count())  # before any work
     task = _make_task(opts)
     start_version = None if record is None else latest_checkpoint_version(run.checkpoints)
     if start_version is None:  # a fresh run (or one killed before its first checkpoint)
@@ -400,6 +410,12 @@ def run_demo(opts: DemoOptions) -> dict:
                               stop_token_ids=tokenizer.stop_token_ids)
     state = TrainState.create(params, make_optimizer(), config=config,
                               lr_schedule=_lr_schedule(opts))
+    placement = None if layout is None else layout.build(
+        config, state, opts.prompts_per_step * opts.group_size)
+    if placement is not None:  # restore_checkpoint reads into the template's layout
+        state = placement.place_state(state)
+    devices = f"one ({jax.devices()[0]})" if placement is None else placement.describe()
+    tqdm.write(f"devices: {devices}")
     if start_version is None:
         save_checkpoint(run.checkpoints, state)
         rows, start_version = [], 0
@@ -412,7 +428,9 @@ def run_demo(opts: DemoOptions) -> dict:
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
-                           max_policy_lag=opts.max_policy_lag if opts.async_rollouts else 0)
+                           max_policy_lag=opts.max_policy_lag if opts.async_rollouts else 0,
+                           **({} if placement is None else placement.engine_kwargs()))
+    step_fn = train_step if placement is None else placement.train_step
     seed_key = jax.random.key(opts.seed)
     if "sft_exact_match" not in record:
         record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
@@ -467,7 +485,8 @@ def run_demo(opts: DemoOptions) -> dict:
             totals["mixed_tokens"] += mixed
             totals["recomputed"] += sum(b.recomputed_tokens for b in batches)
             t1 = time.perf_counter()
-            new_state, m = train_step(state, make_batch(batches, rewards), max_policy_lag=lag)
+            new_state, m = step_fn(state, make_batch(batches, rewards), max_policy_lag=lag)
+            sync_bytes = 0 if placement is None else placement.sync_bytes(new_state.params)
             ack = rollouts.publish(new_state)
             train_s = time.perf_counter() - t1
             params_by_version[int(new_state.version)] = new_state.params
@@ -492,6 +511,7 @@ def run_demo(opts: DemoOptions) -> dict:
                        recomputed_tokens=sum(b.recomputed_tokens for b in batches),
                        rollout_seconds=rollout_s, train_seconds=train_s,
                        step_seconds=time.perf_counter() - t0,
+                       sync_bytes=sync_bytes, sync_seconds=ack.seconds,
                        sample=dict(prompt=example.prompt, completion=completion,
                                    answer=example.answer))
             with deferred_signals():  # the state and its metrics row move together
@@ -505,7 +525,8 @@ def run_demo(opts: DemoOptions) -> dict:
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
                 tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
-                           f"(answer {example.answer!r})")
+                           f"(answer {example.answer!r}); sync {sync_bytes / 2**10:.1f} KiB "
+                           f"moved in {ack.seconds * 1e3:.1f} ms")
             if int(state.version) % opts.checkpoint_every == 0:
                 with deferred_signals():
                     save_checkpoint(run.checkpoints, state)
@@ -534,6 +555,7 @@ def run_demo(opts: DemoOptions) -> dict:
         _plot(rows, run.path / PLOT, title, record["sft_exact_match"])
     window = max(1, min(10, len(rows) // 4))
     mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
+    syncs = [r for r in rows if "sync_seconds" in r]  # rows of runs before --mesh lack them
     return dict(
         task=task.name, policy=str(policy), steps_run=final_version - start_version,
         final_version=final_version, reward_first=mean("reward", rows[:window]),
@@ -549,4 +571,7 @@ def run_demo(opts: DemoOptions) -> dict:
         mixed_tokens=totals["mixed_tokens"], recomputed_tokens=totals["recomputed"],
         dropped_stale_calls=buffer_metrics.get("dropped_calls", 0),
         staleness_histogram=buffer_metrics.get("staleness", {}),
+        devices=devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),
+        sync_seconds_median=float(np.median([r["sync_seconds"] for r in syncs]))
+        if syncs else 0.0,
         out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)

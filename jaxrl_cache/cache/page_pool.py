@@ -46,11 +46,14 @@ class PagePool:
     def __init__(self, num_pages: int):
         num_pages = as_count(num_pages, "num_pages", minimum=2, maximum=2**31 - 1)  # int32 ids
         self.num_pages = num_pages
-        # [P] refcounts; _ref is the same memory as a Python array, whose items Python code
-        # reads and writes ~50x faster than numpy scalars (the per-request path)
+        # [P] refcounts and [P - 1] the free stack (top at the end), each a Python array and
+        # a numpy view of the same memory: the per-request path (a few dozen pages) loops
+        # over the Python arrays, whose items Python code reads and writes far faster than
+        # numpy scalars or numpy calls on tiny arrays; bulk paths use the numpy views
         self._ref = array.array("i", bytes(4 * num_pages))
         self.refcount = np.frombuffer(self._ref, np.int32)
-        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)  # stack, top at the end
+        self._stack = array.array("i", range(num_pages - 1, 0, -1))
+        self._free = np.frombuffer(self._stack, np.int32)
         self._num_free = num_pages - 1
 
     @property
@@ -63,15 +66,15 @@ class PagePool:
         if n > self._num_free:
             raise CacheFullError(f"take({n}) with only {self._num_free} free pages")
         with deferred_signals():
-            return self._take(n)
+            return np.array(self._take(n), np.int32)
 
     def incref(self, pages: np.ndarray) -> None:
         """Adds one reference per entry; every page must already be held (refcount >= 1)."""
-        pages = as_page_ids(pages, self.num_pages)
-        if (self.refcount[pages] < 1).any():
-            raise ValueError(f"incref of free pages: {pages[self.refcount[pages] < 1]}")
+        pages = as_page_list(pages, self.num_pages)
+        if not self._held(pages):
+            raise ValueError(f"incref of free pages: {[p for p in pages if self._ref[p] < 1]}")
         with deferred_signals():
-            np.add.at(self.refcount, pages, 1)
+            self._incref_list(pages)
 
     def decref(self, pages: np.ndarray, *, distinct: bool = False) -> None:
         """Drops one reference per entry; pages reaching 0 become free. Repeats are allowed
@@ -84,22 +87,40 @@ class PagePool:
             self._decref(pages, counts)
 
     # Unchecked steps for callers that have checked and hold a deferred_signals() section.
+    def _take(self, n: int) -> array.array:
+        """n free pages, lowest first, each set to refcount 1."""
+        top, ref = self._num_free, self._ref
+        pages = self._stack[top - n:top]
+        pages.reverse()
+        for p in pages:
+            ref[p] = 1
+        self._num_free = top - n
+        return pages
+
+    def _held(self, pages) -> bool:
+        """Whether every entry has refcount >= 1."""
+        ref = self._ref
+        for p in pages:
+            if ref[p] < 1:
+                return False
+        return True
+
+    def _incref_list(self, pages) -> None:
+        """Adds one reference per entry (repeats allowed)."""
+        ref = self._ref
+        for p in pages:
+            ref[p] += 1
+
     def _decref_list(self, pages: list[int]) -> None:
-        """Drops one reference per entry (repeats allowed)."""
+        """Drops one reference per entry (repeats allowed); pages reaching 0 become free."""
         ref, freed = self._ref, []
         for p in pages:
             ref[p] -= 1
             if not ref[p]:
                 freed.append(p)
         if freed:
-            self._free[self._num_free:self._num_free + len(freed)] = freed
+            self._stack[self._num_free:self._num_free + len(freed)] = array.array("i", freed)
             self._num_free += len(freed)
-
-    def _take(self, n: int) -> np.ndarray:
-        pages = self._free[self._num_free - n:self._num_free][::-1].copy()
-        self.refcount[pages] = 1
-        self._num_free -= n
-        return pages
 
     def _decref(self, pages: np.ndarray, counts) -> None:
         """pages int32 [n] distinct, each losing `counts` (int or int [n]) references."""
@@ -115,4 +136,4 @@ class PagePool:
         free = np.zeros_like(self._free)
         idle = np.flatnonzero(refcount[1:] == 0)[::-1].astype(np.int32) + 1
         free[:idle.size] = idle
-        self.refcount[:], self._free, self._num_free = refcount, free, int(idle.size)
+        self.refcount[:], self._free[:], self._num_free = refcount, free, int(idle.size)

@@ -28,7 +28,7 @@ import functools
 import heapq
 import itertools
 import struct
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -46,11 +46,14 @@ def _pages_format(n: int, size: int) -> struct.Struct:
 
 
 class _Node:
-    __slots__ = ("chunk", "page", "parent", "children", "last_access", "version")
+    """A run of pages: one edge of the compressed trie. key is the int32 bytes of
+    len(pages) * page_size tokens (b"" at a root); children are keyed by their first page's
+    bytes. Every page of a node carries the node's LRU stamp."""
+    __slots__ = ("key", "pages", "parent", "children", "last_access", "version")
 
-    def __init__(self, chunk, page, parent, version, last_access):
-        self.chunk = chunk  # page key: int32 bytes of its page_size tokens (None at a root)
-        self.page = page  # physical page id (0 at a root)
+    def __init__(self, key, pages, parent, version, last_access):
+        self.key = key
+        self.pages = pages  # list[int] physical page ids, one per page of key
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
         self.last_access = last_access
@@ -70,15 +73,15 @@ class Lease:
     __slots__ = ("_parts",)
 
     def __init__(self):
-        self._parts: tuple = ()  # int32 arrays; the tuple is replaced, never mutated
+        self._parts: tuple = ()  # sequences of page ids; the tuple is replaced, never mutated
 
     @property
     def pages(self) -> np.ndarray:
         """int32 [n] every reference held (a page appears once per reference)."""
-        return np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
+        return np.fromiter(itertools.chain.from_iterable(self._parts), np.int32)
 
     def __len__(self) -> int:
-        return sum(p.size for p in self._parts)
+        return sum(map(len, self._parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class RadixCache:
 
     def __init__(self, num_pages: int, page_size: int):
         self.page_size = as_count(page_size, "page_size", minimum=1)
+        self._page_bytes = 4 * self.page_size
         self.pool = PagePool(num_pages)
         # [P] bool and [P] int32 (trie parent page, 0 under a root), each also as a Python
         # buffer over the same memory for the per-request path (see PagePool._ref)
@@ -116,11 +120,13 @@ class RadixCache:
         self._parents = array.array("i", bytes(4 * self.pool.num_pages))
         self._parent = np.frombuffer(self._parents, np.int32)
         self._roots: dict[int, _Node] = {}
-        self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node
+        self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node holding it
         self._clock = itertools.count(1)
-        self._last_keys: tuple = (None, ())  # (tuple of tokens, its page_keys): peek, acquire
-        self._trie_epoch = 0  # bumped by every change of any trie's nodes
-        self._last_walk: tuple = (None, 0, -1, [])  # (chunks, version, epoch, path)
+        # token tuples converted lately: id -> (tuple, int32 bytes, bytes of its full pages)
+        self._recent: dict[int, tuple] = {}
+        self._last: tuple = ((), b"", b"")  # the entry used last (a new tuple may extend it)
+        self._epoch = 0  # bumped by every change of any trie's structure
+        self._last_walk: tuple = (None, 0, -1, ([], 0))  # (data, version, epoch, result)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -133,7 +139,7 @@ class RadixCache:
     def peek(self, version: int, tokens: Sequence[int]) -> int:
         """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
         (no pin, no lookup counted, no LRU stamp)."""
-        return len(self._walk(as_version(version), self.page_keys(tokens)))
+        return self._walk(as_version(version), self._token_bytes(tokens))[1]
 
     @property
     def num_evictable(self) -> int:
@@ -155,7 +161,7 @@ class RadixCache:
     def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
         """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
         leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
-        return self._acquire(0, [], [], as_count(n, "n"), lease)[1]
+        return self._acquire(0, [], 0, as_count(n, "n"), lease)[1]
 
     def acquire(self, version: int, prefixes: Sequence[Sequence[int]], n_fresh: int, *,
                 lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
@@ -167,19 +173,18 @@ class RadixCache:
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        chunked = [self.page_keys(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
-        return self._acquire(version, chunked, [len(p) for p in prefixes],
+        data = [self._token_bytes(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
+        return self._acquire(version, data, sum(map(len, prefixes)),
                              as_count(n_fresh, "n_fresh"), lease)
 
-    def _acquire(self, version: int, chunked: list[list[bytes]], lookup_tokens: list[int],
-                 n_fresh: int, lease: Lease | None) -> tuple[list[Match], np.ndarray]:
+    def _acquire(self, version: int, data: list[bytes], lookup_tokens: int, n_fresh: int,
+                 lease: Lease | None) -> tuple[list[Match], np.ndarray]:
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
-        paths = [self._walk(version, chunks) for chunks in chunked]
-        ids = [[node.page for node in path] for path in paths]
-        matched = [np.array(pages, np.int32) for pages in ids]
+        walks = [self._walk(version, d) for d in data]
+        ids = [self._path_pages(path, n) for path, n in walks]
         if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
-            pinned = np.concatenate(matched) if matched else np.zeros(0, np.int32)
+            pinned = np.fromiter(itertools.chain.from_iterable(ids), np.int32)
             evictable = self._evictable()
             evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
             if n_fresh > self.pool.num_free + evictable:
@@ -189,32 +194,37 @@ class RadixCache:
                     f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
         with deferred_signals():
-            now, ref = next(self._clock), self.pool._ref
-            for path, pages in zip(paths, ids):
+            now = next(self._clock)
+            for i, (path, n) in enumerate(walks):
+                if i and path:  # an earlier prefix may have split a node of this path
+                    path, n = self._walk(version, data[i])
+                if path:
+                    self._split(path[-1], n)
                 for node in path:
                     node.last_access = now
-                for page in pages:
-                    ref[page] += 1
+                self.pool._incref_list(ids[i])
             if n_fresh > self.pool._num_free:
                 self._evict(n_fresh - self.pool._num_free)
             fresh = self.pool._take(n_fresh)
-            self._counters["lookups"] += len(chunked)
-            self._counters["lookup_tokens"] += sum(lookup_tokens)
-            self._counters["hit_tokens"] += sum(map(len, paths)) * self.page_size
+            counters = self._counters
+            counters["lookups"] += len(data)
+            counters["lookup_tokens"] += lookup_tokens
+            counters["hit_tokens"] += sum(map(len, ids)) * self.page_size
             if lease is not None:
-                lease._parts = lease._parts + tuple(matched) + (fresh,)
-        return [Match(m, int(m.size) * self.page_size) for m in matched], fresh
+                lease._parts = lease._parts + tuple(ids) + (fresh,)
+        return ([Match(np.array(pages, np.int32), len(pages) * self.page_size) for pages in ids],
+                np.array(fresh, np.int32))
 
     def release(self, pages: np.ndarray | Lease) -> None:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
         if isinstance(pages, Lease):
-            lease, pages = pages, [p for part in pages._parts for p in part.tolist()]
+            lease, pages = pages, list(itertools.chain.from_iterable(pages._parts))
         else:
             lease, pages = None, as_page_list(pages, self.pool.num_pages)
         ref = self.pool._ref
         if len(set(pages)) == len(pages):  # the usual case
-            held = not pages or min(map(ref.__getitem__, pages)) >= 1
+            held = self.pool._held(pages)
         else:
             held = all(ref[p] >= n for p, n in collections.Counter(pages).items())
         if not held:
@@ -225,28 +235,38 @@ class RadixCache:
                 lease._parts = ()
 
     def evict(self, n: int) -> int:
-        """Frees up to n unpinned cached pages, least recently used leaves first."""
+        """Frees up to n unpinned cached pages: the oldest version namespace first, least
+        recently used leaves first within it."""
         n = as_count(n, "n")
         with deferred_signals():
             return self._evict(n)
 
     def _evict(self, n: int) -> int:
-        leaves = [(node.last_access, id(node), node) for nodes in self._nodes.values()
-                  for node in nodes.values()
-                  if not node.children and self.pool.refcount[node.page] == 1]
+        ref, size = self.pool._ref, self._page_bytes
+        leaves = [(node.version, node.last_access, id(node), node)
+                  for nodes in self._nodes.values() for page, node in nodes.items()
+                  if page == node.pages[-1] and not node.children and ref[page] == 1]
         heapq.heapify(leaves)
         evicted = []
         while leaves and len(evicted) < n:
-            _, _, node = heapq.heappop(leaves)
-            del node.parent.children[node.chunk]
-            del self._nodes[node.version][node.page]
-            evicted.append(node.page)
+            node = heapq.heappop(leaves)[-1]
+            pages, nodes = node.pages, self._nodes[node.version]
+            keep = len(pages)
+            while keep and len(evicted) < n and ref[pages[keep - 1]] == 1:
+                keep -= 1
+                evicted.append(pages[keep])
+                del nodes[pages[keep]]
+            if keep:
+                del pages[keep:]
+                node.key = node.key[:keep * size]
+                continue
             parent = node.parent
-            if (parent.chunk is not None and not parent.children
-                    and self.pool.refcount[parent.page] == 1):
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            del parent.children[node.key[:size]]
+            if parent.pages and not parent.children and ref[parent.pages[-1]] == 1:
+                heapq.heappush(leaves, (parent.version, parent.last_access, id(parent),
+                                        parent))
         pages = np.asarray(evicted, np.int32)
-        self._trie_epoch += 1
+        self._epoch += 1
         self._in_trie[pages] = False
         self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
@@ -254,22 +274,39 @@ class RadixCache:
 
     # ---------------------------------------------------------------- prefix trie
     def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> tuple[bytes, ...]:
-        """Hashable key of each full page of `tokens`: its int32 bytes, built in one C-level
-        pass (no per-token Python work). Token ids must be integers in [0, 2**31) (a
-        sequence of bools is refused, as numpy types it bool)."""
-        if type(tokens) is tuple and tokens is self._last_keys[0]:
-            return self._last_keys[1]  # immutable and still referenced: same tokens
+        """Hashable key of each full page of `tokens`: its int32 bytes (see `_token_bytes`)."""
+        data = self._token_bytes(tokens, name)
+        return _pages_format(len(data) // self._page_bytes, self._page_bytes).unpack_from(data)
+
+    def _token_bytes(self, tokens: Sequence[int], name: str = "tokens") -> bytes:
+        """int32 bytes of the full pages of `tokens`, built in one C-level pass (no per-token
+        Python work); a tuple seen in the last few calls is not converted again, and one
+        that extends the tuple used last (a prompt, then each prompt + output) converts only
+        its new tail. Token ids must be
+        integers in [0, 2**31) (a sequence of bools is refused, as numpy types it bool)."""
+        if type(tokens) is tuple:
+            hit = self._recent.get(id(tokens))
+            if hit is not None and hit[0] is tokens:
+                self._last = hit
+                return hit[2]
         if (type(tokens) in (list, tuple) and tokens
                 and not isinstance(tokens[0], (bool, np.bool_))):
+            last, last_data, _ = self._last
+            done = len(last) if type(tokens) is tuple and tokens[:len(last)] == last else 0
             try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-                data = struct.pack(f"<{len(tokens)}I", *tokens)
+                data = last_data[:4 * done] + struct.pack(f"<{len(tokens) - done}I",
+                                                          *tokens[done:])
             except Exception:  # the numpy path below names what is wrong
                 data = b"\xff" * 4
             if data[3::4].isascii():
-                keys = self._split_pages(data)
+                full = data[:len(data) - len(data) % self._page_bytes]
                 if type(tokens) is tuple:
-                    self._last_keys = (tokens, keys)
-                return keys
+                    if len(self._recent) >= 8:
+                        del self._recent[next(iter(self._recent))]
+                    self._recent[id(tokens)] = entry = (tokens, data, full)
+                    if not done:  # an extension leaves its base in place for its siblings
+                        self._last = entry
+                return full
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
@@ -279,83 +316,122 @@ class RadixCache:
                             f"{tokens!r:.80}")
         if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
             raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
-        return self._split_pages(arr.astype("<i4").tobytes())
+        data = arr.astype("<i4").tobytes()
+        return data[:len(data) - len(data) % self._page_bytes]
 
-    def _split_pages(self, data: bytes) -> tuple[bytes, ...]:
-        return _pages_format(len(data) // (4 * self.page_size), 4 * self.page_size).unpack_from(
-            data)
-
-    def _walk(self, version: int, chunks: tuple[bytes, ...]) -> list[_Node]:
-        """The nodes of the longest cached prefix of `chunks` under `version` (no change).
-        While the trie is unchanged the last walk is reused (peek then acquire) or continued
-        (acquire of a prompt, then insert of prompt + output)."""
-        last, path = self._last_walk, []
-        if last[1] == version and last[2] == self._trie_epoch:
-            if last[0] is chunks:
-                return last[3]
-            done = len(last[0])  # the last walk's keys, all cached, prefix these: go on
-            if len(last[3]) == done and chunks[:done] == last[0]:
-                path = list(last[3])
-        node = path[-1] if path else self._roots.get(version)
-        for chunk in chunks[len(path):] if node is not None else ():
-            node = node.children.get(chunk)
+    def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int]:
+        """(nodes, n): the longest cached prefix of the full pages `data` under `version` is
+        n pages, held by `nodes` in order, the last possibly only in part (no change). The
+        last walk is reused while no trie changed (peek, then acquire of the same tokens)."""
+        last = self._last_walk
+        if last[0] is data and last[1] == version and last[2] == self._epoch:
+            return last[3]
+        node, path, done, size = self._roots.get(version), [], 0, self._page_bytes
+        while node is not None and done < len(data):
+            node = node.children.get(data[done:done + size])
             if node is None:
                 break
             path.append(node)
-        self._last_walk = (chunks, version, self._trie_epoch, path)
-        return path
+            key = node.key
+            if data.startswith(key, done):
+                done += len(key)
+                continue
+            common = size  # the first page matched: count how many more do
+            while (done + common < len(data) and common < len(key)
+                   and data.startswith(key[common:common + size], done + common)):
+                common += size
+            done += common
+            break
+        self._last_walk = (data, version, self._epoch, (path, done // size))
+        return path, done // size
+
+    @staticmethod
+    def _path_pages(path: list[_Node], n: int) -> list[int]:
+        """The first n pages held by the nodes of a walk."""
+        pages = []
+        for node in path:
+            pages += node.pages
+        del pages[n:]
+        return pages
+
+    def _split(self, node: _Node, n: int) -> None:
+        """Cuts the last node of a walk of n pages (inside a commit) after the walk's pages:
+        its other pages become its only child, inheriting its children. The trie's meaning
+        is unchanged."""
+        keep, up = n, node.parent
+        while up.pages:
+            keep -= len(up.pages)
+            up = up.parent
+        if keep >= len(node.pages):
+            return
+        self._epoch += 1
+        cut = keep * self._page_bytes
+        tail = _Node(node.key[cut:], node.pages[keep:], node, node.version, node.last_access)
+        tail.children, node.children = node.children, {node.key[cut:cut + self._page_bytes]: tail}
+        for child in tail.children.values():
+            child.parent = tail
+        node.key = node.key[:cut]
+        del node.pages[keep:]
+        nodes = self._nodes[node.version]
+        for page in tail.pages:
+            nodes[page] = tail
 
     def match(self, version: int, tokens: Sequence[int], *,
               lease: Lease | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
         caller (release the returned pages, or the lease, when done)."""
         version = as_version(version)
-        return self._acquire(version, [self.page_keys(tokens)], [len(tokens)], 0, lease)[0][0]
+        return self._acquire(version, [self._token_bytes(tokens)], len(tokens), 0, lease)[0][0]
 
     def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
-        """Records the full pages of `tokens` (KV written by `version`) held by the caller.
+        """Records the full pages of `tokens` (KV written by `version`).
 
-        pages [>= len(tokens) // page_size] in order. Chunks already cached are left as they
+        pages [>= len(tokens) // page_size] in order; those past the cached prefix (the ones
+        the trie takes) must be held by the caller. Chunks already cached are left as they
         are (a duplicate page stays the caller's and is freed on release) and insertion
         continues below them: a duplicate holds the same tokens' KV under the same version,
         so what follows is the same whichever copy it was computed against. Returns how many
         pages the trie took.
         """
         version = as_version(version)
-        chunks = self.page_keys(tokens)
+        data = self._token_bytes(tokens)
+        size = self._page_bytes
         pages = as_page_list(pages, self.pool.num_pages)
-        if len(pages) < len(chunks):
-            raise ValueError(f"{len(chunks)} full pages of tokens but only {len(pages)} pages")
-        del pages[len(chunks):]
-        ref = self.pool._ref
-        if pages and min(map(ref.__getitem__, pages)) < 1:
+        if len(pages) < len(data) // size:
+            raise ValueError(f"{len(data) // size} full pages of tokens but only {len(pages)} "
+                             f"pages")
+        del pages[len(data) // size:]
+        path, n = self._walk(version, data)
+        new_pages = pages[n:]  # one new node holds them, below the cached prefix
+        if not self.pool._held(new_pages):
             raise ValueError(f"insert of pages the caller does not hold: "
-                             f"{[p for p in pages if ref[p] < 1]}")
-        existing = self._walk(version, chunks)
-        new_pages = pages[len(existing):]  # one new node each, below the cached prefix
+                             f"{[p for p in new_pages if self.pool._ref[p] < 1]}")
         if any(map(self._trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
             raise ValueError(f"pages {new_pages} include one already cached under another "
                              f"prefix or listed twice")
         with deferred_signals():
             if version not in self._roots:
-                self._roots[version] = _Node(None, 0, None, version, 0)
+                self._roots[version] = _Node(b"", [], None, version, 0)
                 self._nodes[version] = {}
-            parent = existing[-1] if existing else self._roots[version]
-            nodes, trie, parents = self._nodes[version], self._trie, self._parents
             now = next(self._clock)
-            for node in existing:
+            if path:
+                self._split(path[-1], n)
+            for node in path:
                 node.last_access = now
-            for chunk, page in zip(chunks[len(existing):], new_pages):
-                child = _Node(chunk, page, parent, version, now)
-                parent.children[chunk] = child
-                nodes[page] = child
-                trie[page] = 1
-                parents[page] = parent.page
-                ref[page] += 1
-                parent = child
             if new_pages:
+                self._epoch += 1
+                parent = path[-1] if path else self._roots[version]
+                child = _Node(data[n * size:], new_pages, parent, version, now)
+                parent.children[data[n * size:(n + 1) * size]] = child
+                self._nodes[version].update(dict.fromkeys(new_pages, child))
+                trie, parents, ref = self._trie, self._parents, self.pool._ref
+                above = parent.pages[-1] if parent.pages else 0
+                for page in new_pages:
+                    trie[page] = 1
+                    parents[page] = above
+                    ref[page] += 1
+                    above = page
                 self._counters["inserted_pages"] += len(new_pages)
-                self._trie_epoch += 1
         return len(new_pages)
 
     def invalidate_before(self, version: int, *, held: bool = False) -> int:
@@ -384,7 +460,7 @@ class RadixCache:
                 f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
         with deferred_signals():
-            self._trie_epoch += 1
+            self._epoch += 1
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
@@ -393,13 +469,16 @@ class RadixCache:
             self._counters["invalidations"] += 1
         return int(pages.size)
 
-    def reconcile(self, keep_versions) -> None:
+    def reconcile(self, keep_versions: Collection[int]) -> None:
         """For a quiescent cache (no request holds a page): drops every namespace not in
         `keep_versions` and rebuilds the pool from the trie (refcount 1 per trie page, every
         other page free). Repairs whatever an interrupted caller left behind."""
-        keep = set(keep_versions)
+        if isinstance(keep_versions, (str, bytes)) or not isinstance(keep_versions, Collection):
+            raise TypeError(f"keep_versions must be a collection of versions, got "
+                            f"{type(keep_versions).__name__} {keep_versions!r:.80}")
+        keep = {as_version(v, "keep_versions") for v in keep_versions}
         with deferred_signals():
-            self._trie_epoch += 1
+            self._epoch += 1
             for v in [v for v in self._roots if v not in keep]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
@@ -409,6 +488,18 @@ class RadixCache:
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:
         return sorted(self._roots)
+
+    def page_entries(self) -> list[tuple[int, int, int, bytes, int]]:
+        """(version, page, parent page (0 under a root), page key, LRU stamp) of every
+        cached page, sorted: the trie's meaning, whatever runs of pages its nodes hold."""
+        size, out = self._page_bytes, []
+        for v, nodes in self._nodes.items():
+            for page, node in nodes.items():
+                i = node.pages.index(page)
+                above = node.pages[i - 1] if i else (node.parent.pages or [0])[-1]
+                out.append((v, page, above, node.key[i * size:(i + 1) * size],
+                            node.last_access))
+        return sorted(out)
 
     def stats(self) -> CacheStats:
         ref = self.pool.refcount[1:]
@@ -433,19 +524,30 @@ class RadixCache:
         assert self.pool.num_free == int((ref[1:] == 0).sum()), "page leaked"
         s = self.stats()
         assert s.free_pages + s.cached_pages + s.in_use_pages == s.total_pages
-        seen = set()
-        for v, nodes in self._nodes.items():
-            for page, node in nodes.items():
-                assert node.version == v and node.page == page
+        size, seen = self._page_bytes, set()
+
+        def visit(node, v) -> tuple[int, bool]:  # (evictable pages in subtree, all cached)
+            below = [visit(c, v) for c in node.children.values()]
+            for page in node.pages:
+                assert self._nodes[v][page] is node, "page index out of date"
+            for key, child in node.children.items():
+                assert child.parent is node and child.version == v and child.pages
+                assert key == child.key[:size] and len(child.key) == size * len(child.pages)
+            free_below, count = all(ok for _, ok in below), sum(n for n, _ in below)
+            for page in reversed(node.pages):
+                free_below = free_below and ref[page] == 1
+                count += free_below
+            return count, free_below
+
+        evictable = 0
+        for v, root in self._roots.items():
+            evictable += visit(root, v)[0]
+            for page, node in self._nodes[v].items():
+                assert node.version == v and page in node.pages
                 assert page not in seen, f"page {page} in the trie twice"
                 seen.add(page)
                 assert ref[page] >= 1 and self._in_trie[page]
-                assert self._parent[page] == node.parent.page, "parent index out of date"
+        for _, page, above, _, _ in self.page_entries():
+            assert self._parent[page] == above, "parent index out of date"
         assert seen == set(np.flatnonzero(self._in_trie).tolist())
-
-        def evictable(node) -> tuple[int, bool]:  # (evictable pages in subtree, all cached)
-            below = [evictable(c) for c in node.children.values()]
-            free_below = all(ok for _, ok in below) and ref[node.page] == 1
-            return sum(n for n, _ in below) + free_below, free_below
-        assert self.num_evictable == sum(
-            sum(evictable(c)[0] for c in root.children.values()) for root in self._roots.values())
+        assert self.num_evictable == evictable

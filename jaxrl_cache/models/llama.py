@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.spmd import split_batch
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
 
 
@@ -136,6 +137,7 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache):
     """
     def block(carry, layer):
         x, kv_cache, index = carry
+        x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
         q, k, v = _qkv(layer, config, h, positions)
         attn, kv_cache = attend(index, q, k, v, kv_cache)

@@ -18,8 +18,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.spmd import BATCH_AXES
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+DATA, FSDP = BATCH_AXES  # the axes models/ and rollout/ keep a batch split over
+TENSOR = "tensor"
 AXES = (DATA, FSDP, TENSOR)
 
 Rules = tuple[tuple[str, tuple], ...]  # ((leaf name, spec of its trailing dims), ...)

@@ -45,15 +45,22 @@ def _bytes_moved(x: jax.Array, target: jax.sharding.Sharding) -> tuple[int, int]
     return moved, resident
 
 
+def transfer_bytes(tree, shardings) -> tuple[int, int]:
+    """(bytes moved, bytes resident) of copying `tree` (jax Arrays) into `shardings` (a
+    matching pytree of Shardings), over this process's target devices; nothing is copied."""
+    moved = resident = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        m, r = _bytes_moved(x, s)
+        moved, resident = moved + m, resident + r
+    return moved, resident
+
+
 def reshard(tree, shardings) -> tuple[object, ReshardStats]:
     """Copies `tree` (jax Arrays) into `shardings` (a matching pytree of Shardings).
 
     Returns (the resharded tree, fully resident, and ReshardStats).
     """
-    moved = resident = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
-        m, r = _bytes_moved(x, s)
-        moved, resident = moved + m, resident + r
+    moved, resident = transfer_bytes(tree, shardings)
     start = time.perf_counter()
     out = jax.block_until_ready(jax.device_put(tree, shardings, may_alias=False))
     return out, ReshardStats(moved, resident, time.perf_counter() - start)

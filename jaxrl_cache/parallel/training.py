@@ -42,10 +42,17 @@ def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
 
 
 def sharded_train_step(state: TrainState, batch: TrainBatch, **kwargs):
-    """`rl.train.train_step` (same checks, same arguments) with the new state placed back in
-    `state`'s layout. XLA's propagation may choose another layout for some outputs (it shards
-    stacked [L, d] norm vectors like their neighbours); the next step would then compile a
-    second executable. Leaves already in place are not copied."""
+    """`rl.train.train_step` (same checks, same arguments) traced under the batch's mesh
+    (`jax.set_mesh`: jaxrl_cache.spmd keeps activations split over data x fsdp, so only
+    params are gathered), with the new state placed back in `state`'s layout. XLA's
+    propagation may choose another layout for some outputs (it shards stacked [L, d] norm
+    vectors like their neighbours); the next step would then compile a second executable.
+    Leaves already in place are not copied."""
     layout = jax.tree.map(lambda x: x.sharding, state)
-    new_state, metrics = train_step(state, batch, **kwargs)
+    mesh = getattr(batch.tokens.sharding, "mesh", None)
+    if not isinstance(mesh, Mesh):
+        raise ValueError("sharded_train_step: place the batch with batch_shardings first "
+                         f"(batch.tokens has {batch.tokens.sharding})")
+    with jax.set_mesh(mesh):
+        new_state, metrics = train_step(state, batch, **kwargs)
     return jax.device_put(new_state, layout), metrics

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.checks import as_count, as_real
+from jaxrl_cache.spmd import per_batch_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,8 @@ def behavior_log_probs(logits, temperature, top_p, top_k):
     branch = jnp.where(~use_k & ~use_p, 0, jnp.where(use_k & (top_k <= cap), 1, 2))
     filtered = jax.lax.switch(branch, [
         lambda s: s,
-        lambda s: _filtered(s, top_p, top_k, jax.lax.top_k(s, cap)[0]),
+        lambda s: _filtered(s, top_p, top_k,
+                            per_batch_shard(lambda r: jax.lax.top_k(r, cap)[0], s)),
         lambda s: _filtered(s, top_p, jnp.where(use_k, top_k, 0), -jnp.sort(-s, axis=-1)),
     ], scaled)
     return jax.nn.log_softmax(filtered, axis=-1)

@@ -21,8 +21,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jaxrl_cache.models import decode_forward, prefill_forward  # noqa: E402
 from jaxrl_cache.parallel import (batch_shardings, engine_kv_cache, make_mesh, place,  # noqa: E402
                                   reshard, rollout_shardings, shard_forward,
-                                  train_state_shardings)
-from jaxrl_cache.rl.train import train_step  # noqa: E402
+                                  sharded_train_step, train_state_shardings)
 from tests.multidevice import common  # noqa: E402
 
 
@@ -34,7 +33,7 @@ def main(out: str) -> None:
     batch = common.train_batch()
     state = place(state, train_state_shardings(state, train_mesh))
     batch = place(batch, batch_shardings(batch, train_mesh))
-    state, metrics = train_step(state, batch)
+    state, metrics = sharded_train_step(state, batch)
 
     params, stats = reshard(state.params, rollout_shardings(state.params, common.CONFIG,
                                                              engine_mesh))
