@@ -11,7 +11,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from jaxrl_cache import (CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig,
-                         TrainState, make_batch, train_step)
+                         TrainState, audit_attribution, make_batch, train_step)
 from tests.helpers import CONFIG, own_version_logprobs, varied_params
 
 SYSTEM = list(range(10, 18))  # two shared pages
@@ -53,7 +53,7 @@ class AsyncMachine(RuleBasedStateMachine):
             rewards = np.array([len(set(s.output_ids)) for b in batches for s in b.samples],
                                np.float32)
             self.state, metrics = train_step(self.state, make_batch(batches, rewards),
-                                             max_policy_lag=LAG)
+                                             max_policy_lag=LAG, correction="decoupled")
             assert int(metrics["staleness_max"]) <= LAG
         else:
             self.state = self.state.replace(version=self.state.version + 1)
@@ -82,6 +82,11 @@ class AsyncMachine(RuleBasedStateMachine):
             if self.policy == "recompute":
                 assert s.mixed_tokens is None
             np.testing.assert_allclose(s.output_logprobs[check], expected[check], atol=3e-3)
+        report = audit_attribution(batch, self.params_by_version, CONFIG)
+        assert report.ok, report
+        if self.policy == "recompute":
+            assert report.num_mixed_tokens == 0
+            assert report.num_checked_tokens == batch.generated_tokens
         self.pending.append(batch)
 
     @rule()

@@ -211,7 +211,7 @@ def test_threads_rollout_while_training(engine, state):
                     intervals.append((name, t0, time.perf_counter()))
         return wrapper
 
-    engine._generate = traced("rollout", engine._generate)
+    engine._rollout = traced("rollout", engine._rollout)
     engine._commit = traced("sync", engine._commit)
     params_by_version = {0: state.params}
     published = {"params": state.params, "version": 0}

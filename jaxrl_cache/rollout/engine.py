@@ -625,8 +625,10 @@ class _Run:
         """Caches the row's full pages under the version that wrote all of their KV (none if
         several did: kv_policy "keep"), then drops its references."""
         row = self.slots[slot]
-        (version,) = row.kv_now if len(row.kv_now) == 1 else (-1,)
-        if self.share and version >= self.weights.version - self.engine.max_policy_lag:
+        single = len(row.kv_now) == 1  # not mixed ("keep" after an update)
+        version = next(iter(row.kv_now)) if single else None
+        if self.share and single and \
+                version >= self.weights.version - self.engine.max_policy_lag:
             seq = scheduler.written_tokens(row)
             full = len(seq) // self.ps
             self.cache.insert(self.engine._cache_key(version), seq[:full * self.ps],
