@@ -27,6 +27,62 @@ def _rows(out: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def in_flight_update_cost(policy_dir: pathlib.Path, every: int = 2, calls: int = 6) -> dict:
+    """Rollout calls of the demo's shape (8 prompts x 8 samples) with a weight update forced
+    at every `every`-th step boundary (chunk_steps=1): seconds per call and tokens
+    re-prefilled per update for each kv_policy, vs no update in flight."""
+    import time
+
+    import jax
+
+    from jaxrl_cache.app.demo import PAGE_SIZE, DemoOptions, _make_task, _encode_prompts
+    from jaxrl_cache.models import from_pretrained, load_tokenizer
+    from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+
+    config, params = from_pretrained(policy_dir)
+    tok = load_tokenizer(policy_dir)
+    task = _make_task(DemoOptions())
+    sampling = SamplingParams(n=8, max_new_tokens=task.num_digits + 1,
+                              stop_token_ids=tok.stop_token_ids)
+    scaled = [jax.tree.map(lambda x, f=1 + 1e-3 * v: x * f, params) for v in range(60)]
+
+    class Forced(RolloutEngine):
+        def _between_steps(self, run):
+            self.boundary = getattr(self, "boundary", 0) + 1
+            if self.forcing and self.boundary % every == 0:
+                v = self.version + 1
+                self.sync_weights(scaled[v], v)
+
+    out = {}
+    for policy, forcing in (("recompute", False), ("recompute", True), ("keep", True)):
+        engine = Forced(config, CacheConfig(num_pages=512, page_size=PAGE_SIZE),
+                        scheduler_config=SchedulerConfig(chunk_steps=1),
+                        kv_policy=policy, max_policy_lag=1)
+        engine.forcing = False
+        engine.sync_weights(scaled[0], 0)
+        prompts = [_encode_prompts(tok, [e.prompt for e in task.sample(
+            np.random.default_rng([9, c]), 8)]) for c in range(calls)]
+        engine.forcing = forcing
+        for c in range(calls):  # warm-up: compiles every packed prefill shape the calls use
+            engine.rollout(scaled[engine.version], engine.version, prompts[c], sampling,
+                           rng=jax.random.key(c))
+        seconds, recomputed, updates, mixed = [], 0, 0, 0
+        for c in range(calls):
+            t0 = time.perf_counter()
+            b = engine.rollout(scaled[engine.version], engine.version, prompts[c], sampling,
+                               rng=jax.random.key(c))
+            seconds.append(time.perf_counter() - t0)
+            recomputed += b.recomputed_tokens
+            updates += b.weight_updates
+            mixed += sum(0 if s.mixed_tokens is None else int(s.mixed_tokens.sum())
+                         for s in b.samples)
+        out[policy + ("" if forcing else " (no update)")] = dict(
+            seconds_per_call=float(np.median(seconds)), updates=updates,
+            recomputed_tokens_per_update=recomputed / max(updates, 1),
+            mixed_tokens=mixed, generated_tokens_per_call=b.generated_tokens)
+    return out
+
+
 def main(argv=None) -> dict:
     from jaxrl_cache.app.demo import DemoOptions, run_demo
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,6 +105,7 @@ def main(argv=None) -> dict:
                                         kv_policy=args.kv_policy,
                                         max_policy_lag=args.max_policy_lag))
     rows_sync, rows_async = _rows(root / "sync2"), _rows(root / "async")
+    forced = in_flight_update_cost(policy)
     wall = lambda rows: float(sum(r["step_seconds"] for r in rows[1:]))  # step 0 compiles
     updates = max(len(rows_async) - 1, 1)
     result = dict(
@@ -64,6 +121,7 @@ def main(argv=None) -> dict:
         recomputed_tokens_per_update=asyn["recomputed_tokens"] / updates,
         mixed_tokens=asyn["mixed_tokens"], dropped_stale_calls=asyn["dropped_stale_calls"],
         staleness_histogram=asyn["staleness_histogram"],
+        forced_updates_every_2_chunks=forced,
         audit=dict(sync=[sync_again["audited_samples"], sync_again["audit_failures"]],
                    async_=[asyn["audited_samples"], asyn["audit_failures"]]),
         reward_curve_sync=[round(r["reward"], 4) for r in rows_sync],

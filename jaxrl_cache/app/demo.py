@@ -81,8 +81,8 @@ class DemoOptions:
     async_rollouts: bool = False  # a RolloutWorker generates while the trainer trains
     kv_policy: str = "recompute"  # async: what an update does to rows in flight
     max_policy_lag: int = 1  # async: oldest token version a trained sample may have
-    correction: str | None = None  # train_step's off-policy correction; None: "decoupled"
-    #                                with --async, "none" (plain PPO-clip) otherwise
+    correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip
+    #   against behavior; "decoupled" has no trust region with one update per batch)
     mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
 
     def __post_init__(self):
@@ -119,7 +119,7 @@ class DemoOptions:
                 or self.max_policy_lag < 0:
             raise ValueError(f"--max-policy-lag must be an integer >= 0, got "
                              f"{self.max_policy_lag!r}")
-        if self.correction not in (None, "none", "decoupled"):
+        if self.correction not in ("none", "decoupled"):
             raise ValueError(f"--correction must be 'none' or 'decoupled', got "
                              f"{self.correction!r}")
         if self.resume and self.overwrite:
@@ -459,7 +459,6 @@ def run_demo(opts: DemoOptions) -> dict:
         return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
 
     lag = opts.max_policy_lag if opts.async_rollouts else 0
-    correction = opts.correction or ("decoupled" if opts.async_rollouts else "none")
     params_by_version = {start_version: state.params}  # the versions inside the lag window
     rollouts = (_AsyncRollouts(opts, engine, sampling, prompts_of, seed_key, state)
                 if opts.async_rollouts else
@@ -492,7 +491,7 @@ def run_demo(opts: DemoOptions) -> dict:
             totals["recomputed"] += sum(b.recomputed_tokens for b in batches)
             t1 = time.perf_counter()
             new_state, m = step_fn(state, make_batch(batches, rewards), max_policy_lag=lag,
-                                   correction=correction)
+                                   correction=opts.correction)
             sync_bytes = 0 if placement is None else placement.sync_bytes(new_state.params)
             ack = rollouts.publish(new_state)
             train_s = time.perf_counter() - t1
