@@ -126,7 +126,9 @@ class RadixCache:
         self._recent: dict[int, tuple] = {}
         self._last: tuple = ((), b"", b"")  # the entry used last (a new tuple may extend it)
         self._epoch = 0  # bumped by every change of any trie's structure
-        self._last_walk: tuple = (None, 0, -1, ([], 0))  # (data, version, epoch, result)
+        # the last walk: (data, version, epoch, nodes, pages matched, byte where the last
+        # node's key begins)
+        self._last_walk: tuple = (b"", 0, -1, [], 0, 0)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -200,6 +202,7 @@ class RadixCache:
                     path, n = self._walk(version, data[i])
                 if path:
                     self._split(path[-1], n)
+                    self._still_walked(data[i])
                 for node in path:
                     node.last_access = now
                 self.pool._incref_list(ids[i])
@@ -321,29 +324,53 @@ class RadixCache:
 
     def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int]:
         """(nodes, n): the longest cached prefix of the full pages `data` under `version` is
-        n pages, held by `nodes` in order, the last possibly only in part (no change). The
-        last walk is reused while no trie changed (peek, then acquire of the same tokens)."""
-        last = self._last_walk
-        if last[0] is data and last[1] == version and last[2] == self._epoch:
-            return last[3]
-        node, path, done, size = self._roots.get(version), [], 0, self._page_bytes
-        while node is not None and done < len(data):
-            node = node.children.get(data[done:done + size])
-            if node is None:
+        n pages, held by `nodes` in order, the last possibly only in part (no change). While
+        no trie changed, the last walk is reused for the same data (peek, then acquire) and
+        continued for data that extends it (acquire of a prompt, then insert of prompt +
+        output): its nodes are the new walk's first ones."""
+        last_data, last_version, epoch, path, n, start = self._last_walk
+        size = self._page_bytes
+        if epoch == self._epoch and last_version == version and data.startswith(last_data):
+            if last_data is data or n * size < len(last_data):  # data stops where it stopped
+                return path, n
+            if path:
+                path = path.copy()
+                return self._descend(version, data, path, path[-1], start, n * size)
+        return self._descend(version, data, [], self._roots.get(version), 0, 0)
+
+    def _descend(self, version: int, data: bytes, path: list[_Node], node: _Node | None,
+                 start: int, done: int) -> tuple[list[_Node], int]:
+        """Continues a walk at `node` (the last of `path`, or a root), whose key begins at
+        byte `start` of data and is known to match up to byte `done`."""
+        if node is None:
+            return path, 0
+        size, end, key = self._page_bytes, len(data), node.key
+        while True:
+            if len(key) > done - start:  # part of the node is not yet compared
+                if data.startswith(key, start):
+                    done = start + len(key)
+                else:  # count how many more of its pages match
+                    while (done < end and done - start < len(key)
+                           and data.startswith(key[done - start:done - start + size], done)):
+                        done += size
+                    break
+            if done >= end:
                 break
-            path.append(node)
-            key = node.key
-            if data.startswith(key, done):
-                done += len(key)
-                continue
-            common = size  # the first page matched: count how many more do
-            while (done + common < len(data) and common < len(key)
-                   and data.startswith(key[common:common + size], done + common)):
-                common += size
-            done += common
-            break
-        self._last_walk = (data, version, self._epoch, (path, done // size))
+            child = node.children.get(data[done:done + size])
+            if child is None:
+                break
+            path.append(child)
+            node, key, start = child, child.key, done
+            done += size  # children are keyed by their first page
+        self._last_walk = (data, version, self._epoch, path, done // size, start)
         return path, done // size
+
+    def _still_walked(self, data: bytes) -> None:
+        """After `_split` cut the last node of data's walk at the walk's end: the walk is
+        still exact (its nodes end where it ends), so it stays reusable."""
+        last = self._last_walk
+        if last[0] is data:
+            self._last_walk = (data, last[1], self._epoch) + last[3:]
 
     @staticmethod
     def _path_pages(path: list[_Node], n: int) -> list[int]:
@@ -396,19 +423,20 @@ class RadixCache:
         version = as_version(version)
         data = self._token_bytes(tokens)
         size = self._page_bytes
+        full = len(data) // size
         pages = as_page_list(pages, self.pool.num_pages)
-        if len(pages) < len(data) // size:
-            raise ValueError(f"{len(data) // size} full pages of tokens but only {len(pages)} "
-                             f"pages")
-        del pages[len(data) // size:]
+        if len(pages) < full:
+            raise ValueError(f"{full} full pages of tokens but only {len(pages)} pages")
         path, n = self._walk(version, data)
-        new_pages = pages[n:]  # one new node holds them, below the cached prefix
-        if not self.pool._held(new_pages):
-            raise ValueError(f"insert of pages the caller does not hold: "
-                             f"{[p for p in new_pages if self.pool._ref[p] < 1]}")
-        if any(map(self._trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
-            raise ValueError(f"pages {new_pages} include one already cached under another "
-                             f"prefix or listed twice")
+        new_pages = pages[n:full]  # one new node holds them, below the cached prefix
+        if new_pages:
+            ref, trie = self.pool._ref, self._trie
+            if min(map(ref.__getitem__, new_pages)) < 1:
+                raise ValueError(f"insert of pages the caller does not hold: "
+                                 f"{[p for p in new_pages if ref[p] < 1]}")
+            if any(map(trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
+                raise ValueError(f"pages {new_pages} include one already cached under another "
+                                 f"prefix or listed twice")
         with deferred_signals():
             if version not in self._roots:
                 self._roots[version] = _Node(b"", [], None, version, 0)
@@ -424,7 +452,7 @@ class RadixCache:
                 child = _Node(data[n * size:], new_pages, parent, version, now)
                 parent.children[data[n * size:(n + 1) * size]] = child
                 self._nodes[version].update(dict.fromkeys(new_pages, child))
-                trie, parents, ref = self._trie, self._parents, self.pool._ref
+                parents = self._parents
                 above = parent.pages[-1] if parent.pages else 0
                 for page in new_pages:
                     trie[page] = 1
@@ -432,6 +460,10 @@ class RadixCache:
                     ref[page] += 1
                     above = page
                 self._counters["inserted_pages"] += len(new_pages)
+                # the walk of data now ends at the new node (kept for the next walk)
+                self._last_walk = (data, version, self._epoch, path + [child], full, n * size)
+            elif path:
+                self._still_walked(data)
         return len(new_pages)
 
     def invalidate_before(self, version: int, *, held: bool = False) -> int:
