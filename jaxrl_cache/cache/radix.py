@@ -22,7 +22,6 @@ same step, so no interrupt can fall between taking a reference and recording who
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 import functools
 import heapq
@@ -175,7 +174,7 @@ class RadixCache:
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        data = [self._token_bytes(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
+        data = [self._token_bytes(p, i) for i, p in enumerate(prefixes)]
         return self._acquire(version, data, sum(map(len, prefixes)),
                              as_count(n_fresh, "n_fresh"), lease)
 
@@ -195,45 +194,43 @@ class RadixCache:
                     f"made available ({self.pool.num_free} free + {evictable} evictable "
                     f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
+        matches = [Match(np.array(pages, np.int32), len(pages) * self.page_size)
+                   for pages in ids]
+        pool, ref = self.pool, self.pool._ref
         with deferred_signals():
             now = next(self._clock)
             for i, (path, n) in enumerate(walks):
-                if i and path:  # an earlier prefix may have split a node of this path
-                    path, n = self._walk(version, data[i])
                 if path:
+                    if i:  # an earlier prefix may have split a node of this path
+                        path, n = self._walk(version, data[i])
                     self._split(path[-1], n)
                     self._still_walked(data[i])
-                for node in path:
-                    node.last_access = now
-                self.pool._incref_list(ids[i])
-            if n_fresh > self.pool._num_free:
-                self._evict(n_fresh - self.pool._num_free)
-            fresh = self.pool._take(n_fresh)
+                    for node in path:
+                        node.last_access = now
+                    for page in ids[i]:
+                        ref[page] += 1
+            if n_fresh > pool._num_free:
+                self._evict(n_fresh - pool._num_free)
+            fresh = pool._take(n_fresh)
             counters = self._counters
             counters["lookups"] += len(data)
             counters["lookup_tokens"] += lookup_tokens
             counters["hit_tokens"] += sum(map(len, ids)) * self.page_size
             if lease is not None:
-                lease._parts = lease._parts + tuple(ids) + (fresh,)
-        return ([Match(np.array(pages, np.int32), len(pages) * self.page_size) for pages in ids],
-                np.array(fresh, np.int32))
+                lease._parts += (*ids, fresh)
+        return matches, np.array(fresh, np.int32)
 
     def release(self, pages: np.ndarray | Lease) -> None:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
         if isinstance(pages, Lease):
-            lease, pages = pages, list(itertools.chain.from_iterable(pages._parts))
+            lease, parts = pages, pages._parts
         else:
-            lease, pages = None, as_page_list(pages, self.pool.num_pages)
-        ref = self.pool._ref
-        if len(set(pages)) == len(pages):  # the usual case
-            held = self.pool._held(pages)
-        else:
-            held = all(ref[p] >= n for p, n in collections.Counter(pages).items())
-        if not held:
-            raise ValueError(f"released pages that were not held: {pages}")
-        with deferred_signals():
-            self.pool._decref_list(pages)
+            lease, parts = None, (as_page_list(pages, self.pool.num_pages),)
+        with deferred_signals():  # one pass: the pool undoes it all if a page was not held
+            if not self.pool._decref_parts(parts):
+                raise ValueError(f"released pages that were not held: "
+                                 f"{list(itertools.chain.from_iterable(parts))}")
             if lease is not None:
                 lease._parts = ()
 
@@ -281,7 +278,7 @@ class RadixCache:
         data = self._token_bytes(tokens, name)
         return _pages_format(len(data) // self._page_bytes, self._page_bytes).unpack_from(data)
 
-    def _token_bytes(self, tokens: Sequence[int], name: str = "tokens") -> bytes:
+    def _token_bytes(self, tokens: Sequence[int], name: str | int = "tokens") -> bytes:
         """int32 bytes of the full pages of `tokens`, built in one C-level pass (no per-token
         Python work); a tuple seen in the last few calls is not converted again, and one
         that extends the tuple used last (a prompt, then each prompt + output) converts only
@@ -310,6 +307,8 @@ class RadixCache:
                     if not done:  # an extension leaves its base in place for its siblings
                         self._last = entry
                 return full
+        if type(name) is int:  # an index into acquire's prefixes (formatted only here)
+            name = f"prefixes[{name}]"
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
