@@ -324,17 +324,28 @@ class RadixCache:
     def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int]:
         """(nodes, n): the longest cached prefix of the full pages `data` under `version` is
         n pages, held by `nodes` in order, the last possibly only in part (no change). While
-        no trie changed, the last walk is reused for the same data (peek, then acquire) and
+        no trie changed, the last walk is reused for the same data (peek, then acquire),
         continued for data that extends it (acquire of a prompt, then insert of prompt +
-        output): its nodes are the new walk's first ones."""
+        output) and cut for data that begins it (the next sample's prompt)."""
         last_data, last_version, epoch, path, n, start = self._last_walk
         size = self._page_bytes
-        if epoch == self._epoch and last_version == version and data.startswith(last_data):
-            if last_data is data or n * size < len(last_data):  # data stops where it stopped
-                return path, n
-            if path:
-                path = path.copy()
-                return self._descend(version, data, path, path[-1], start, n * size)
+        if epoch == self._epoch and last_version == version:
+            if data.startswith(last_data):
+                if last_data is data or n * size < len(last_data):  # stops where it stopped
+                    return path, n
+                if path:
+                    path = path.copy()
+                    return self._descend(version, data, path, path[-1], start, n * size)
+            elif last_data.startswith(data):  # a prefix (the prompt of the last insert)
+                n = min(n, len(data) // size)
+                keep, start, end = [], 0, 0
+                for node in path:
+                    if end >= n * size:
+                        break
+                    keep.append(node)
+                    start, end = end, end + len(node.key)
+                self._last_walk = (data, version, epoch, keep, n, start)
+                return keep, n
         return self._descend(version, data, [], self._roots.get(version), 0, 0)
 
     def _descend(self, version: int, data: bytes, path: list[_Node], node: _Node | None,
