@@ -36,7 +36,10 @@ def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
 def as_page_list(pages, num_pages: int, name: str = "pages") -> list[int]:
     """`as_page_ids` as a list of Python ints (for the per-request path: a few dozen pages
     cost less as Python ints than as numpy calls)."""
-    ids = _integer_array(pages, name).tolist()
+    if type(pages) is np.ndarray and pages.ndim == 1 and pages.dtype.kind == "i":
+        ids = pages.tolist()  # the common case (int32 page arrays), checked inline
+    else:
+        ids = _integer_array(pages, name).tolist()
     if ids and (min(ids) <= 0 or max(ids) >= num_pages):
         raise ValueError(f"{name}: page ids must be in 1..{num_pages - 1}, got {ids}")
     return ids

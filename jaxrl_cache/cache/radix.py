@@ -294,11 +294,11 @@ class RadixCache:
             last, last_data, _ = self._last
             done = len(last) if type(tokens) is tuple and tokens[:len(last)] == last else 0
             try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-                data = last_data[:4 * done] + struct.pack(f"<{len(tokens) - done}I",
-                                                          *tokens[done:])
+                tail = struct.pack(f"<{len(tokens) - done}I", *tokens[done:])
             except Exception:  # the numpy path below names what is wrong
-                data = b"\xff" * 4
-            if data[3::4].isascii():
+                tail = b"\xff" * 4
+            if tail[3::4].isascii():  # the base's bytes were checked when it was converted
+                data = last_data[:4 * done] + tail if done else tail
                 full = data[:len(data) - len(data) % self._page_bytes]
                 if type(tokens) is tuple:
                     if len(self._recent) >= 8:
