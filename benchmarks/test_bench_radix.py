@@ -5,6 +5,9 @@ The trace (`grpo_trace`): 64 prompts x 8 samples, 512-token prompts sharing a 25
 system prefix, 64 output tokens per sample, page 16, run at 2 versions (the second trie is
 built while the first is still cached). Per sample, as the engine does: match the prompt
 (pinning it), then insert prompt + output, then let go. One op = one match or one insert.
+Each flow runs twice: every cache call in a signal-deferring section of its own (a caller
+outside the engine), and each rollout call inside one section as the engine runs it
+(`RolloutEngine._serialized`), where the cache's sections nest and swap no handler.
 
 sglang-jax is never vendored: its `radix_cache.py` (and `base_prefix_cache.py`, which it
 imports) is loaded at run time from a checkout named by SGLANG_JAX_SRC (the repository root
@@ -26,6 +29,7 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.cache.radix import Lease, RadixCache
+from jaxrl_cache.interrupts import allow_signals, deferred_signals
 
 PAGE = 16
 VERSIONS = (0, 1)
@@ -48,28 +52,44 @@ def trace_ops(trace) -> int:
     return 2 * len(trace) * len(VERSIONS)  # one match + one insert per sample per version
 
 
-def run_ours(trace):
+def rollout_call(fn, *args, engine_lock: bool):
+    """One rollout call's cache traffic. engine_lock: run it as RolloutEngine._serialized
+    runs every call (one deferred_signals section around it, allow_signals inside), so each
+    cache call's own commit section is nested and swaps no signal handler; without it every
+    cache call opens (and closes) a top-level section of its own."""
+    if not engine_lock:
+        return fn(*args)
+    with deferred_signals():
+        return allow_signals(fn, *args)
+
+
+def run_ours(trace, engine_lock=False):
     """Per sample: peek (pages to plan), acquire (match + fresh pages, held by a lease),
-    insert, release."""
+    insert, release; one rollout call per version."""
     cache = RadixCache(8192, PAGE)
-    for version in VERSIONS:
+
+    def call(version):
         for prompt, seq in trace:
             lease = Lease()
             n_fresh = len(seq) // PAGE - cache.peek(version, prompt)
             (match,), fresh = cache.acquire(version, [prompt], n_fresh, lease=lease)
             cache.insert(version, seq, np.concatenate([match.pages, fresh]))
             cache.release(lease)
+
+    for version in VERSIONS:
+        rollout_call(call, version, engine_lock=engine_lock)
     return cache
 
 
-def run_ours_units(trace, group=8):
+def run_ours_units(trace, group=8, engine_lock=False):
     """As RolloutEngine admits a unit of `group` samples of one prompt: one peek + acquire
     for the unit (shared prompt pages + each row's own), rows share the prompt pages
     (pool.incref), the prompt is inserted after its prefill, then per sample: insert of
     prompt + output and release of the row's pages. Still one match + one insert counted
-    per sample."""
+    per sample; one rollout call per version."""
     cache = RadixCache(8192, PAGE)
-    for version in VERSIONS:
+
+    def call(version):
         for u in range(0, len(trace), group):
             prompt = trace[u][0]
             shared = len(prompt) // PAGE - cache.peek(version, prompt)
@@ -83,6 +103,9 @@ def run_ours_units(trace, group=8):
                 row = np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]])
                 cache.insert(version, seq, row)
                 cache.release(row)
+
+    for version in VERSIONS:
+        rollout_call(call, version, engine_lock=engine_lock)
     return cache
 
 
@@ -138,9 +161,10 @@ def run_theirs(rc, trace):
 
 
 # ------------------------------------------------------------------ pytest-benchmark
-def test_grpo_match_insert(benchmark):
+@pytest.mark.parametrize("engine_lock", [False, True])
+def test_grpo_match_insert(benchmark, engine_lock):
     trace = grpo_trace()
-    cache = benchmark(run_ours, trace)
+    cache = benchmark(run_ours, trace, engine_lock=engine_lock)
     benchmark.extra_info["ops_per_s"] = trace_ops(trace) / benchmark.stats.stats.mean
     stats = cache.stats()
     benchmark.extra_info["hit_rate"] = stats.hit_rate
@@ -152,9 +176,10 @@ def test_grpo_match_insert(benchmark):
     assert stats.cached_pages_by_version == {v: 16 + 64 * 16 + 512 * 4 for v in VERSIONS}
 
 
-def test_grpo_match_insert_engine_units(benchmark):
+@pytest.mark.parametrize("engine_lock", [False, True])
+def test_grpo_match_insert_engine_units(benchmark, engine_lock):
     trace = grpo_trace()
-    cache = benchmark(run_ours_units, trace)
+    cache = benchmark(run_ours_units, trace, engine_lock=engine_lock)
     benchmark.extra_info["ops_per_s"] = trace_ops(trace) / benchmark.stats.stats.mean
     cache.check_invariants()
     assert cache.stats().cached_pages_by_version == {v: 16 + 64 * 16 + 512 * 4 for v in VERSIONS}
@@ -210,21 +235,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     trace, ops = grpo_trace(), trace_ops(grpo_trace())
     rc = sglang_jax_radix()
-    runs = {"ours": lambda: run_ours(trace), "ours_units": lambda: run_ours_units(trace)}
+    runs = {"ours": lambda: run_ours(trace), "ours_units": lambda: run_ours_units(trace),
+            "ours_lock": lambda: run_ours(trace, engine_lock=True),
+            "ours_units_lock": lambda: run_ours_units(trace, engine_lock=True)}
     if rc is not None:
         runs["theirs"] = lambda: run_theirs(rc, trace)
     best = _best_of(runs, args.rounds)
     ours, units = ops / best["ours"], ops / best["ours_units"]
+    ours_lock, units_lock = ops / best["ours_lock"], ops / best["ours_units_lock"]
     theirs = ops / best["theirs"] if rc else None
+    rows = [("per sample, own sections", ours), ("per sample, engine lock", ours_lock),
+            ("engine units, own sections", units), ("engine units, engine lock", units_lock)]
     print(f"GRPO trace, {ops} ops (match + insert), best of {args.rounds} interleaved rounds")
-    print(f"  jaxrl_cache, per sample      : {ours:9.0f} ops/s")
-    print(f"  jaxrl_cache, engine units    : {units:9.0f} ops/s  (one match per prompt group)")
+    for name, value in rows:
+        ratio = f"  {value / theirs:.2f}x sglang-jax" if theirs else ""
+        print(f"  jaxrl_cache, {name:27s}: {value:9.0f} ops/s{ratio}")
     if theirs is None:
         print("  sglang-jax RadixCache        : skipped (set SGLANG_JAX_SRC)")
     else:
-        print(f"  sglang-jax, per sample       : {theirs:9.0f} ops/s")
-        print(f"  ratio per sample             : {ours / theirs:.2f}x")
-        print(f"  ratio engine units           : {units / theirs:.2f}x")
+        print(f"  sglang-jax, per sample                   : {theirs:9.0f} ops/s")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(
             date=time.strftime("%Y-%m-%d", time.gmtime()),
@@ -233,9 +262,14 @@ def main(argv=None) -> int:
             command="SGLANG_JAX_SRC=<sglang-jax checkout> python -m benchmarks.test_bench_radix",
             trace=dict(prompts=64, group=8, prompt_tokens=512, shared_prefix_tokens=256,
                        output_tokens=64, page_size=PAGE, versions=len(VERSIONS), ops=ops),
-            ours_ops_per_s=ours, ours_engine_units_ops_per_s=units, sglang_jax_ops_per_s=theirs,
+            ours_ops_per_s=ours, ours_engine_units_ops_per_s=units,
+            ours_engine_lock_ops_per_s=ours_lock,
+            ours_engine_units_engine_lock_ops_per_s=units_lock, sglang_jax_ops_per_s=theirs,
             ratio=ours / theirs if theirs else None,
-            ratio_engine_units=units / theirs if theirs else None), indent=1) + "\n")
+            ratio_engine_units=units / theirs if theirs else None,
+            ratio_engine_lock=ours_lock / theirs if theirs else None,
+            ratio_engine_units_engine_lock=units_lock / theirs if theirs else None),
+            indent=1) + "\n")
     return 0
 
 

@@ -12,6 +12,8 @@ import numpy as np
 
 def as_count(value, name: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     """`value` as a Python int in [minimum, maximum]."""
+    if type(value) is int and minimum <= value and maximum is None:  # the common case
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r:.80}")
     if value < minimum or (maximum is not None and value > maximum):

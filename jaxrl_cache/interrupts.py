@@ -26,8 +26,10 @@ import _signal
 import signal
 import sys
 import threading
+from _thread import get_ident as _get_ident
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
+_getsignal, _setsignal, _main_thread = _signal.getsignal, _signal.signal, threading.main_thread
 
 
 class _State:
@@ -70,52 +72,51 @@ def _deliver_pending() -> None:
             handler(signum, frame)
 
 
-def _install(owner) -> None:
-    _state.owner, _state.saved, _state.pending = owner, {}, []
-    _state.allowed, _state.depth = None, 0
-    for sig in _SIGNALS:
-        handler = _signal.getsignal(sig)
-        if callable(handler) and handler is not _record:
-            _state.saved[sig] = handler
-            _signal.signal(sig, _record)
-
-
 def _uninstall() -> list:
     """Restores the handlers; returns the signals recorded meanwhile with their handlers."""
     saved, pending = _state.saved, _state.pending
     _state.owner, _state.allowed, _state.depth = None, None, 0
     for sig, handler in saved.items():
-        _signal.signal(sig, handler)
-    return [(saved.get(signum), signum, frame) for signum, frame in pending]
+        _setsignal(sig, handler)
+    return [(saved.get(signum), signum, frame) for signum, frame in pending] if pending else ()
 
 
 class deferred_signals:
-    """`with deferred_signals(): ...` runs the body with SIGINT/SIGTERM deferred (see module)."""
+    """`with deferred_signals(): ...` runs the body with SIGINT/SIGTERM deferred (see module).
+    Lean on purpose: the radix cache opens one per request step."""
+    __slots__ = ("_nested",)
 
     def __enter__(self):
-        if threading.get_ident() != threading.main_thread().ident:
+        state = _state
+        if _get_ident() != _main_thread().ident:
+            self._nested = None  # another thread: nothing to do
             return self
-        if _state.owner is not None:
-            _state.depth += 1  # nested: defers even inside an allow_signals window
+        if state.owner is not None:
+            state.depth += 1  # nested: defers even inside an allow_signals window
             self._nested = True
             return self
+        self._nested = False
         try:
-            _install(self)
+            state.owner, state.saved, state.pending, state.allowed, state.depth = (
+                self, {}, [], None, 0)
+            for sig in _SIGNALS:
+                handler = _getsignal(sig)
+                if handler is not _record and callable(handler):
+                    state.saved[sig] = handler
+                    _setsignal(sig, _record)
         except BaseException:
             _uninstall()
             raise
         return self
 
-    _nested = False
-
     def __exit__(self, *exc) -> bool:
-        if self._nested:
+        nested = self._nested
+        if nested:
             self._nested = False
             _state.depth -= 1
             if _state.pending and _in_window(sys._getframe()):
                 _deliver_pending()  # what arrived during the nested commit, right after it
-            return False
-        if _state.owner is self:
+        elif nested is False and _state.owner is self:
             for handler, signum, frame in _uninstall():
                 if callable(handler):
                     handler(signum, frame)

@@ -318,3 +318,39 @@ def test_pages_inserted_past_a_duplicate_prefix_block_its_eviction():
     assert cache.num_evictable == 4 and cache.available_pages == 7
     assert cache.alloc(7).size == 7
     cache.check_invariants()
+
+
+def test_reused_walks_match_a_fresh_walk():
+    """peek/acquire/insert reuse, continue or cut the last walk while no trie changed (same
+    data, an extension, a prefix, tuples or lists): every answer equals that of an oracle
+    built from page_entries (version, parent page, page key) alone."""
+    rng = np.random.default_rng(0)
+    cache = RadixCache(64, PS)
+    base = [int(t) for t in rng.integers(0, 3, 6 * PS)]
+
+    def oracle(version, tokens):
+        child = {(v, parent, key): page for v, page, parent, key, _ in cache.page_entries()}
+        parent, n = 0, 0
+        for i in range(len(tokens) // PS):
+            key = np.asarray(tokens[i * PS:(i + 1) * PS], "<i4").tobytes()
+            parent = child.get((version, parent, key))
+            if parent is None:
+                break
+            n += 1
+        return n
+
+    for step in range(120):
+        version = int(rng.integers(0, 2))
+        cut = int(rng.integers(0, len(base) + 1))
+        tokens = base[:cut] + [int(t) for t in rng.integers(0, 3, int(rng.integers(0, 9)))]
+        tokens = tuple(tokens) if step % 2 else tokens
+        for probe in (tokens, tokens[:len(tokens) // 2], tokens):  # same, prefix, extension
+            assert cache.peek(version, probe) == oracle(version, probe)
+        (m,), fresh = cache.acquire(version, [tokens[:cut]], len(tokens) // PS)
+        assert m.pages.size == oracle(version, tokens[:cut])
+        cache.insert(version, tokens, np.concatenate([m.pages, fresh])[:len(tokens) // PS])
+        cache.release(np.concatenate([m.pages, fresh]))
+        assert cache.peek(version, tokens) == oracle(version, tokens) == len(tokens) // PS
+        if step % 17 == 16:
+            cache.evict(int(rng.integers(1, 8)))
+        cache.check_invariants()

@@ -36,7 +36,10 @@ def as_page_ids(pages, num_pages: int, name: str = "pages") -> np.ndarray:
 def as_page_list(pages, num_pages: int, name: str = "pages") -> list[int]:
     """`as_page_ids` as a list of Python ints (for the per-request path: a few dozen pages
     cost less as Python ints than as numpy calls)."""
-    ids = _integer_array(pages, name).tolist()
+    if type(pages) is np.ndarray and pages.ndim == 1 and pages.dtype.kind == "i":
+        ids = pages.tolist()  # the common case (int32 page arrays), checked inline
+    else:
+        ids = _integer_array(pages, name).tolist()
     if ids and (min(ids) <= 0 or max(ids) >= num_pages):
         raise ValueError(f"{name}: page ids must be in 1..{num_pages - 1}, got {ids}")
     return ids
@@ -111,16 +114,25 @@ class PagePool:
         for p in pages:
             ref[p] += 1
 
-    def _decref_list(self, pages: list[int]) -> None:
-        """Drops one reference per entry (repeats allowed); pages reaching 0 become free."""
+    def _decref_parts(self, parts) -> bool:
+        """Drops one reference per entry of each sequence in `parts` (repeats allowed); pages
+        reaching 0 become free. If some entry was not held, undoes every drop and returns
+        False (nothing changed): one pass, with no separate check, for the release path."""
         ref, freed = self._ref, []
-        for p in pages:
-            ref[p] -= 1
-            if not ref[p]:
-                freed.append(p)
+        for i, part in enumerate(parts):
+            for j, p in enumerate(part):
+                left = ref[p] - 1
+                if left <= 0:
+                    if left < 0:
+                        for done in parts[:i] + (part[:j],):
+                            self._incref_list(done)
+                        return False
+                    freed.append(p)
+                ref[p] = left
         if freed:
             self._stack[self._num_free:self._num_free + len(freed)] = array.array("i", freed)
             self._num_free += len(freed)
+        return True
 
     def _decref(self, pages: np.ndarray, counts) -> None:
         """pages int32 [n] distinct, each losing `counts` (int or int [n]) references."""

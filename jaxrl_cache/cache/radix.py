@@ -22,7 +22,6 @@ same step, so no interrupt can fall between taking a reference and recording who
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 import functools
 import heapq
@@ -126,7 +125,9 @@ class RadixCache:
         self._recent: dict[int, tuple] = {}
         self._last: tuple = ((), b"", b"")  # the entry used last (a new tuple may extend it)
         self._epoch = 0  # bumped by every change of any trie's structure
-        self._last_walk: tuple = (None, 0, -1, ([], 0))  # (data, version, epoch, result)
+        # the last walk: (data, version, epoch, nodes, pages matched, byte where the last
+        # node's key begins)
+        self._last_walk: tuple = (b"", 0, -1, [], 0, 0)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
 
@@ -173,7 +174,7 @@ class RadixCache:
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        data = [self._token_bytes(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)]
+        data = [self._token_bytes(p, i) for i, p in enumerate(prefixes)]
         return self._acquire(version, data, sum(map(len, prefixes)),
                              as_count(n_fresh, "n_fresh"), lease)
 
@@ -193,44 +194,43 @@ class RadixCache:
                     f"made available ({self.pool.num_free} free + {evictable} evictable "
                     f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
+        matches = [Match(np.array(pages, np.int32), len(pages) * self.page_size)
+                   for pages in ids]
+        pool, ref = self.pool, self.pool._ref
         with deferred_signals():
             now = next(self._clock)
             for i, (path, n) in enumerate(walks):
-                if i and path:  # an earlier prefix may have split a node of this path
-                    path, n = self._walk(version, data[i])
                 if path:
+                    if i:  # an earlier prefix may have split a node of this path
+                        path, n = self._walk(version, data[i])
                     self._split(path[-1], n)
-                for node in path:
-                    node.last_access = now
-                self.pool._incref_list(ids[i])
-            if n_fresh > self.pool._num_free:
-                self._evict(n_fresh - self.pool._num_free)
-            fresh = self.pool._take(n_fresh)
+                    self._still_walked(data[i])
+                    for node in path:
+                        node.last_access = now
+                    for page in ids[i]:
+                        ref[page] += 1
+            if n_fresh > pool._num_free:
+                self._evict(n_fresh - pool._num_free)
+            fresh = pool._take(n_fresh)
             counters = self._counters
             counters["lookups"] += len(data)
             counters["lookup_tokens"] += lookup_tokens
             counters["hit_tokens"] += sum(map(len, ids)) * self.page_size
             if lease is not None:
-                lease._parts = lease._parts + tuple(ids) + (fresh,)
-        return ([Match(np.array(pages, np.int32), len(pages) * self.page_size) for pages in ids],
-                np.array(fresh, np.int32))
+                lease._parts += (*ids, fresh)
+        return matches, np.array(fresh, np.int32)
 
     def release(self, pages: np.ndarray | Lease) -> None:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
         if isinstance(pages, Lease):
-            lease, pages = pages, list(itertools.chain.from_iterable(pages._parts))
+            lease, parts = pages, pages._parts
         else:
-            lease, pages = None, as_page_list(pages, self.pool.num_pages)
-        ref = self.pool._ref
-        if len(set(pages)) == len(pages):  # the usual case
-            held = self.pool._held(pages)
-        else:
-            held = all(ref[p] >= n for p, n in collections.Counter(pages).items())
-        if not held:
-            raise ValueError(f"released pages that were not held: {pages}")
-        with deferred_signals():
-            self.pool._decref_list(pages)
+            lease, parts = None, (as_page_list(pages, self.pool.num_pages),)
+        with deferred_signals():  # one pass: the pool undoes it all if a page was not held
+            if not self.pool._decref_parts(parts):
+                raise ValueError(f"released pages that were not held: "
+                                 f"{list(itertools.chain.from_iterable(parts))}")
             if lease is not None:
                 lease._parts = ()
 
@@ -278,7 +278,7 @@ class RadixCache:
         data = self._token_bytes(tokens, name)
         return _pages_format(len(data) // self._page_bytes, self._page_bytes).unpack_from(data)
 
-    def _token_bytes(self, tokens: Sequence[int], name: str = "tokens") -> bytes:
+    def _token_bytes(self, tokens: Sequence[int], name: str | int = "tokens") -> bytes:
         """int32 bytes of the full pages of `tokens`, built in one C-level pass (no per-token
         Python work); a tuple seen in the last few calls is not converted again, and one
         that extends the tuple used last (a prompt, then each prompt + output) converts only
@@ -294,11 +294,11 @@ class RadixCache:
             last, last_data, _ = self._last
             done = len(last) if type(tokens) is tuple and tokens[:len(last)] == last else 0
             try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-                data = last_data[:4 * done] + struct.pack(f"<{len(tokens) - done}I",
-                                                          *tokens[done:])
+                tail = struct.pack(f"<{len(tokens) - done}I", *tokens[done:])
             except Exception:  # the numpy path below names what is wrong
-                data = b"\xff" * 4
-            if data[3::4].isascii():
+                tail = b"\xff" * 4
+            if tail[3::4].isascii():  # the base's bytes were checked when it was converted
+                data = last_data[:4 * done] + tail if done else tail
                 full = data[:len(data) - len(data) % self._page_bytes]
                 if type(tokens) is tuple:
                     if len(self._recent) >= 8:
@@ -307,6 +307,8 @@ class RadixCache:
                     if not done:  # an extension leaves its base in place for its siblings
                         self._last = entry
                 return full
+        if type(name) is int:  # an index into acquire's prefixes (formatted only here)
+            name = f"prefixes[{name}]"
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
             raise TypeError(f"{name} must be a sequence of integer token ids, got "
                             f"{type(tokens).__name__} {tokens!r:.80}")
@@ -321,29 +323,64 @@ class RadixCache:
 
     def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int]:
         """(nodes, n): the longest cached prefix of the full pages `data` under `version` is
-        n pages, held by `nodes` in order, the last possibly only in part (no change). The
-        last walk is reused while no trie changed (peek, then acquire of the same tokens)."""
-        last = self._last_walk
-        if last[0] is data and last[1] == version and last[2] == self._epoch:
-            return last[3]
-        node, path, done, size = self._roots.get(version), [], 0, self._page_bytes
-        while node is not None and done < len(data):
-            node = node.children.get(data[done:done + size])
-            if node is None:
+        n pages, held by `nodes` in order, the last possibly only in part (no change). While
+        no trie changed, the last walk is reused for the same data (peek, then acquire),
+        continued for data that extends it (acquire of a prompt, then insert of prompt +
+        output) and cut for data that begins it (the next sample's prompt)."""
+        last_data, last_version, epoch, path, n, start = self._last_walk
+        size = self._page_bytes
+        if epoch == self._epoch and last_version == version:
+            if data.startswith(last_data):
+                if last_data is data or n * size < len(last_data):  # stops where it stopped
+                    return path, n
+                if path:
+                    path = path.copy()
+                    return self._descend(version, data, path, path[-1], start, n * size)
+            elif last_data.startswith(data):  # a prefix (the prompt of the last insert)
+                n = min(n, len(data) // size)
+                keep, start, end = [], 0, 0
+                for node in path:
+                    if end >= n * size:
+                        break
+                    keep.append(node)
+                    start, end = end, end + len(node.key)
+                self._last_walk = (data, version, epoch, keep, n, start)
+                return keep, n
+        return self._descend(version, data, [], self._roots.get(version), 0, 0)
+
+    def _descend(self, version: int, data: bytes, path: list[_Node], node: _Node | None,
+                 start: int, done: int) -> tuple[list[_Node], int]:
+        """Continues a walk at `node` (the last of `path`, or a root), whose key begins at
+        byte `start` of data and is known to match up to byte `done`."""
+        if node is None:
+            return path, 0
+        size, end, key = self._page_bytes, len(data), node.key
+        while True:
+            if len(key) > done - start:  # part of the node is not yet compared
+                if data.startswith(key, start):
+                    done = start + len(key)
+                else:  # count how many more of its pages match
+                    while (done < end and done - start < len(key)
+                           and data.startswith(key[done - start:done - start + size], done)):
+                        done += size
+                    break
+            if done >= end:
                 break
-            path.append(node)
-            key = node.key
-            if data.startswith(key, done):
-                done += len(key)
-                continue
-            common = size  # the first page matched: count how many more do
-            while (done + common < len(data) and common < len(key)
-                   and data.startswith(key[common:common + size], done + common)):
-                common += size
-            done += common
-            break
-        self._last_walk = (data, version, self._epoch, (path, done // size))
+            child = node.children.get(data[done:done + size])
+            if child is None:
+                break
+            path.append(child)
+            node, key, start = child, child.key, done
+            done += size  # children are keyed by their first page
+        self._last_walk = (data, version, self._epoch, path, done // size, start)
         return path, done // size
+
+    def _still_walked(self, data: bytes) -> None:
+        """After `_split` cut the last node of data's walk at the walk's end: the walk is
+        still exact (its nodes end where it ends), so it stays reusable."""
+        last = self._last_walk
+        if last[0] is data:
+            self._last_walk = (data, last[1], self._epoch) + last[3:]
 
     @staticmethod
     def _path_pages(path: list[_Node], n: int) -> list[int]:
@@ -396,19 +433,20 @@ class RadixCache:
         version = as_version(version)
         data = self._token_bytes(tokens)
         size = self._page_bytes
+        full = len(data) // size
         pages = as_page_list(pages, self.pool.num_pages)
-        if len(pages) < len(data) // size:
-            raise ValueError(f"{len(data) // size} full pages of tokens but only {len(pages)} "
-                             f"pages")
-        del pages[len(data) // size:]
+        if len(pages) < full:
+            raise ValueError(f"{full} full pages of tokens but only {len(pages)} pages")
         path, n = self._walk(version, data)
-        new_pages = pages[n:]  # one new node holds them, below the cached prefix
-        if not self.pool._held(new_pages):
-            raise ValueError(f"insert of pages the caller does not hold: "
-                             f"{[p for p in new_pages if self.pool._ref[p] < 1]}")
-        if any(map(self._trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
-            raise ValueError(f"pages {new_pages} include one already cached under another "
-                             f"prefix or listed twice")
+        new_pages = pages[n:full]  # one new node holds them, below the cached prefix
+        if new_pages:
+            ref, trie = self.pool._ref, self._trie
+            if min(map(ref.__getitem__, new_pages)) < 1:
+                raise ValueError(f"insert of pages the caller does not hold: "
+                                 f"{[p for p in new_pages if ref[p] < 1]}")
+            if any(map(trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
+                raise ValueError(f"pages {new_pages} include one already cached under another "
+                                 f"prefix or listed twice")
         with deferred_signals():
             if version not in self._roots:
                 self._roots[version] = _Node(b"", [], None, version, 0)
@@ -424,7 +462,7 @@ class RadixCache:
                 child = _Node(data[n * size:], new_pages, parent, version, now)
                 parent.children[data[n * size:(n + 1) * size]] = child
                 self._nodes[version].update(dict.fromkeys(new_pages, child))
-                trie, parents, ref = self._trie, self._parents, self.pool._ref
+                parents = self._parents
                 above = parent.pages[-1] if parent.pages else 0
                 for page in new_pages:
                     trie[page] = 1
@@ -432,6 +470,10 @@ class RadixCache:
                     ref[page] += 1
                     above = page
                 self._counters["inserted_pages"] += len(new_pages)
+                # the walk of data now ends at the new node (kept for the next walk)
+                self._last_walk = (data, version, self._epoch, path + [child], full, n * size)
+            elif path:
+                self._still_walked(data)
         return len(new_pages)
 
     def invalidate_before(self, version: int, *, held: bool = False) -> int:
