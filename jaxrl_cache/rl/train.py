@@ -127,6 +127,9 @@ def sample_token_versions(sample, index: int) -> np.ndarray:
     return versions.astype(np.int64)
 
 
+MAX_LENGTH = 2**20  # tokens per packed sequence (a dense [N, L] batch beyond it cannot fit)
+
+
 def pack_samples(samples, length: int | None = None):
     """Right-padded prompt + output tokens of each sample, aligned for next-token scoring.
 
@@ -183,7 +186,7 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     if empty:
         raise ValueError(f"rollouts: batch {empty[0]} has no samples")
     if length is not None:
-        length = as_count(length, "length", minimum=2)
+        length = as_count(length, "length", minimum=2, maximum=MAX_LENGTH)
     sp = batches[0].sampling
     if any(b.sampling != sp for b in batches):
         raise ValueError("all rollout batches of a training batch must share SamplingParams")
