@@ -18,8 +18,6 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +28,10 @@ from jaxrl_cache.models import ModelConfig, init_kv_cache, init_params
 from jaxrl_cache.rollout import (CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig,
                                  core)
 from jaxrl_cache.rollout.scheduler import row_pages
+from benchmarks.timing import timed
 
 VOCAB, PS = 2048, 16
 CONFIG = ModelConfig.tiny(vocab_size=VOCAB, max_seq_len=512)
-
-
-def _timed(fn, rounds):
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def grpo_workload(rounds: int) -> dict:
@@ -69,7 +59,7 @@ def grpo_workload(rounds: int) -> dict:
             return engine.rollout(params, next(version), prompts, sp, rng=jax.random.key(1))
 
         call()  # compile
-        seconds, batch = _timed(call, rounds)
+        seconds, batch = timed(call, rounds)
         out[name] = dict(seconds=seconds, generated_tokens=batch.generated_tokens,
                          tokens_per_s=batch.generated_tokens / seconds,
                          decode_steps=batch.decode_steps, decode_chunks=batch.decode_chunks,
@@ -109,8 +99,8 @@ def decode_vs_dense(rounds: int) -> dict:
         dense(params, cache, jnp.zeros(rows, jnp.int32), jnp.full(rows, ctx, jnp.int32),
               jax.random.key(0)))
     paged(), run_dense()
-    paged_s, _ = _timed(paged, rounds)
-    dense_s, _ = _timed(run_dense, rounds)
+    paged_s, _ = timed(paged, rounds)
+    dense_s, _ = timed(run_dense, rounds)
     return dict(rows=rows, context=ctx, steps=steps, vocab=VOCAB,
                 paged_ms_per_step=paged_s / steps * 1e3, dense_ms_per_step=dense_s / steps * 1e3,
                 paged_over_dense=dense_s / paged_s)

@@ -1,8 +1,6 @@
 """Rollout engine on CPU with the demo-family model: GRPO prefix reuse on vs off, the
 weight-sync acknowledgement path, a full iteration; `_dense_decode_loop` is the dense-KV
 baseline that benchmarks/engine_v2.py compares the paged decode chunk against."""
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
 from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl_cache.rl.train import TrainState, make_batch, train_step
+from benchmarks.timing import timed
 
 pytestmark = pytest.mark.slow
 CONFIG = ModelConfig.tiny(vocab_size=32, max_seq_len=512)
@@ -41,19 +40,11 @@ class _Cold:
         return batch
 
 
-def _median_seconds(fn, rounds):
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
 
 def test_grpo_rollout_prefix_reuse_on_vs_off(benchmark):
     on, off = _Cold(True), _Cold(False)
     on(), off()  # compile both
-    off_s = _median_seconds(off, 3)
+    off_s = timed(off, 3)[0]
     batch = benchmark.pedantic(on, rounds=3)
     off_batch = off()
     benchmark.extra_info.update(

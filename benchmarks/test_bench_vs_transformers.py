@@ -8,8 +8,6 @@ so it starts from an empty prefix cache (only in-call reuse counts). Needs the `
 extra (torch, transformers); skipped otherwise.
 """
 import os
-import statistics
-import time
 
 import jax
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 from jaxrl_cache.models import ModelConfig, from_pretrained, init_params, save_pretrained
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.rollout.sampling import SamplingParams
+from benchmarks.timing import timed
 
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
@@ -38,12 +37,7 @@ def _prompts():
 
 def _median_seconds(fn) -> float:
     fn()  # compile / warm up
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(fn, ROUNDS)[0]
 
 
 def test_engine_vs_transformers_generate(benchmark, tmp_path):
