@@ -59,8 +59,9 @@ def test_recompute_greedy_follows_each_tokens_own_version():
     batch = engine.rollout(PARAMS[0], 0, PROMPTS, greedy, rng=jax.random.key(0))
     assert batch.weight_updates == 2 and engine.version == 2
     assert batch.recomputed_tokens > 0
-    assert [a.recomputed_tokens for a in engine.acks] == [a.recomputed_tokens
-                                                          for a in engine.acks]
+    # each ack announces the running rows' contexts; the re-prefills compute at most that
+    assert all(a.recomputed_tokens > 0 for a in engine.acks)
+    assert sum(a.recomputed_tokens for a in engine.acks) >= batch.recomputed_tokens
     for s in batch.samples:
         versions = s.token_versions.tolist()
         assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 2

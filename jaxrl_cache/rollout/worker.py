@@ -123,6 +123,11 @@ class SampleBuffer:
             self._cond.notify_all()
             return items
 
+    @property
+    def error(self) -> BaseException | None:
+        """The worker's failure, if it failed."""
+        return self._error
+
     def close(self, error: BaseException | None = None) -> None:
         with self._cond:
             self._closed = True
@@ -202,5 +207,5 @@ class RolloutWorker:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"rollout worker still running after {timeout} s")
-        if self.buffer._error is not None:
-            raise RuntimeError("the rollout worker failed") from self.buffer._error
+        if self.buffer.error is not None:
+            raise RuntimeError("the rollout worker failed") from self.buffer.error
