@@ -28,7 +28,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxrl_cache.cache.radix import Lease, RadixCache
+from jaxrl_cache.cache.radix import Lease, PackedTokens, RadixCache
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 
 PAGE = 16
@@ -63,18 +63,27 @@ def rollout_call(fn, *args, engine_lock: bool):
         return allow_signals(fn, *args)
 
 
+def packed(trace):
+    """Per sample of the trace: (prompt, prompt + output) as PackedTokens, each prompt packed
+    once and each sample's sequence extending it by its output, as the engine keys a row."""
+    last = packed_prompt = None
+    for prompt, seq in trace:
+        if prompt is not last:
+            last, packed_prompt = prompt, PackedTokens.of(prompt)
+        yield packed_prompt, packed_prompt.extend(seq[len(prompt):])
+
+
 def run_ours(trace, engine_lock=False):
     """Per sample: peek (pages to plan), acquire (match + fresh pages, held by a lease),
-    insert, release; one rollout call per version."""
+    insert releasing the lease; one rollout call per version. Token packing is timed too."""
     cache = RadixCache(8192, PAGE)
 
     def call(version):
-        for prompt, seq in trace:
+        for prompt, seq in packed(trace):
             lease = Lease()
-            n_fresh = len(seq) // PAGE - cache.peek(version, prompt)
+            n_fresh = seq.num_tokens // PAGE - cache.peek(version, prompt)
             (match,), fresh = cache.acquire(version, [prompt], n_fresh, lease=lease)
-            cache.insert(version, seq, np.concatenate([match.pages, fresh]))
-            cache.release(lease)
+            cache.insert(version, seq, np.concatenate([match.pages, fresh]), release=lease)
 
     for version in VERSIONS:
         rollout_call(call, version, engine_lock=engine_lock)
@@ -82,27 +91,26 @@ def run_ours(trace, engine_lock=False):
 
 
 def run_ours_units(trace, group=8, engine_lock=False):
-    """As RolloutEngine admits a unit of `group` samples of one prompt: one peek + acquire
-    for the unit (shared prompt pages + each row's own), rows share the prompt pages
+    """As RolloutEngine admits a unit of `group` samples of one prompt: one peek + acquire for
+    the unit (shared prompt pages + each row's own), rows share the prompt pages
     (pool.incref), the prompt is inserted after its prefill, then per sample: insert of
-    prompt + output and release of the row's pages. Still one match + one insert counted
-    per sample; one rollout call per version."""
+    prompt + output releasing the row's pages. Still one match + one insert counted per
+    sample; one rollout call per version."""
     cache = RadixCache(8192, PAGE)
+    samples = list(packed(trace))
 
     def call(version):
-        for u in range(0, len(trace), group):
-            prompt = trace[u][0]
-            shared = len(prompt) // PAGE - cache.peek(version, prompt)
-            own = len(trace[u][1]) // PAGE - len(prompt) // PAGE
+        for u in range(0, len(samples), group):
+            prompt = samples[u][0]
+            shared = prompt.num_tokens // PAGE - cache.peek(version, prompt)
+            own = samples[u][1].num_tokens // PAGE - prompt.num_tokens // PAGE
             (match,), fresh = cache.acquire(version, [prompt], shared + group * own)
             prefix = np.concatenate([match.pages, fresh[:shared]])
-            for _ in range(group - 1):
-                cache.pool.incref(prefix)
+            cache.pool.incref(np.tile(prefix, group - 1))
             cache.insert(version, prompt, prefix)
-            for j, (_, seq) in enumerate(trace[u:u + group]):
+            for j, (_, seq) in enumerate(samples[u:u + group]):
                 row = np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]])
-                cache.insert(version, seq, row)
-                cache.release(row)
+                cache.insert(version, seq, row, release=row)
 
     for version in VERSIONS:
         rollout_call(call, version, engine_lock=engine_lock)

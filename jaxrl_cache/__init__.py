@@ -4,7 +4,7 @@ Every sample carries the policy version that produced it; prefix KV is cached pe
 and never reused across versions. README.md describes the protocol and the invariants;
 docs/DESIGN.md the layout of the code.
 """
-from jaxrl_cache.cache import CacheStats, Lease, RadixCache
+from jaxrl_cache.cache import CacheStats, Lease, PackedTokens, RadixCache
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError, StalenessError, VersionError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (DecoderLM, ModelConfig, forward, from_pretrained, init_params,
@@ -23,7 +23,7 @@ __all__ = [
     "RolloutBatch", "RolloutEngine", "Sample", "SchedulerConfig", "WeightAck",
     "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "DecoderLM",
     "ModelConfig", "forward", "from_pretrained", "init_params", "load_tokenizer",
-    "save_pretrained", "CacheStats", "RadixCache", "SamplingParams", "TrainBatch",
+    "save_pretrained", "CacheStats", "PackedTokens", "RadixCache", "SamplingParams", "TrainBatch",
     "TrainState", "make_batch", "make_optimizer", "train_step", "Produced", "RolloutWorker",
     "SampleBuffer",
 ]

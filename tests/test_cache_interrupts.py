@@ -50,7 +50,7 @@ def scenario():
 def snapshot(cache, *leases):
     trie = frozenset(cache.page_entries())
     pool = cache.pool
-    return (cache.pool.refcount.tobytes(), sorted(pool._free[:pool.num_free].tolist()),
+    return (cache.page_refcounts().tobytes(), sorted(pool._free[:pool.num_free].tolist()),
             cache._in_trie.tobytes(), trie, tuple(cache._counters.items()),
             tuple(tuple(sorted(lease.pages.tolist())) for lease in leases))
 
@@ -69,6 +69,10 @@ OPS = {  # name: (prepare, the call under test)
                                                                lease=live)),
     "alloc_evicting": (nothing, lambda c, live, w: c.alloc(6, lease=w)),
     "insert": (nothing, lambda c, live, w: c.insert(1, [9] * 8, w.pages)),
+    "insert_releasing": (nothing, lambda c, live, w: c.insert(1, [9] * 8, w.pages, release=w)),
+    "insert_releasing_pins": (nothing, lambda c, live, w: c.insert(
+        1, SYS + [3] * 4 + [6] * 4, np.concatenate([live.pages, w.pages[:1]]), release=live)),
+    "invalidate_keeping_holders": (nothing, lambda c, live, w: c.invalidate_before(2, held=True)),
     "evict": (nothing, lambda c, live, w: c.evict(3)),
     "invalidate_before": (nothing, lambda c, live, w: c.invalidate_before(1)),
     "release_lease": (nothing, lambda c, live, w: c.release(live)),
@@ -103,7 +107,8 @@ def check_clean(cache, live, writer):
     cache.check_invariants()
     held = np.bincount(np.concatenate([live.pages, writer.pages]),
                        minlength=cache.pool.num_pages)
-    np.testing.assert_array_equal(cache.pool.refcount, held + cache._in_trie, "leaked reference")
+    np.testing.assert_array_equal(cache.page_refcounts(), held + cache._in_trie,
+                                  "leaked reference")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert interrupts._state.owner is None
 
@@ -224,7 +229,7 @@ def test_real_sigints_at_random_moments_never_corrupt_or_leak():
     cache.check_invariants()
     held = np.bincount(np.concatenate([lease.pages for lease in leases] + [np.zeros(0, int)]),
                        minlength=cache.pool.num_pages)
-    np.testing.assert_array_equal(cache.pool.refcount, held + cache._in_trie)
+    np.testing.assert_array_equal(cache.page_refcounts(), held + cache._in_trie)
     for lease in leases:
         cache.release(lease)
     cache.clear()

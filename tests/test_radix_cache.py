@@ -1,11 +1,11 @@
 """Radix cache and page allocator: unit edge cases and a stateful property test."""
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
-from jaxrl_cache.cache.radix import RadixCache
+from jaxrl_cache.cache.radix import Lease, PackedTokens, RadixCache
 
 PS = 4
 
@@ -173,7 +173,8 @@ PROMPTS = [SYSTEM + [1] * 5, SYSTEM + [1] * 4 + [2] * 4, SYSTEM + [2] * 9, [3] *
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random request lifecycles across versions; accounting checked after every step."""
+    """Random request lifecycles across versions, holding pages as arrays or as a Lease (its
+    matched path one pin); accounting checked after every step."""
     requests = Bundle("requests")
 
     def __init__(self):
@@ -185,37 +186,41 @@ class CacheMachine(RuleBasedStateMachine):
         self.min_version = 0
 
     @rule(target=requests, version=st.integers(0, 3), prompt=st.sampled_from(PROMPTS),
-          extra=st.integers(0, 3))
-    def start(self, version, prompt, extra):
+          extra=st.integers(0, 3), leased=st.booleans())
+    def start(self, version, prompt, extra, leased):
         version = max(version, self.min_version)
-        m = self.cache.match(version, prompt)
+        lease = Lease() if leased else None
+        m = self.cache.match(version, prompt, lease=lease)
         for p in m.pages:
             assert self.written_by[int(p)] == version, "match crossed versions"
         need = len(prompt) // PS - m.pages.size + extra
-        before = self.cache.pool.refcount.copy()
+        before = self.cache.page_refcounts()
         try:
-            own = self.cache.alloc(need)
+            own = self.cache.alloc(need, lease=lease)
         except CacheFullError:
-            np.testing.assert_array_equal(self.cache.pool.refcount, before)
-            self.cache.release(m.pages)
+            np.testing.assert_array_equal(self.cache.page_refcounts(), before)
+            self.cache.release(lease if leased else m.pages)
             return None
         for p in own:
             self.written_by[int(p)] = version  # this request writes their KV
         rid = self.next_id
         self.next_id += 1
-        self.live[rid] = (version, prompt, np.concatenate([m.pages, own]))
+        self.live[rid] = (version, prompt, np.concatenate([m.pages, own]), lease)
         return rid
 
     @rule(rid=requests)
     def insert(self, rid):
         if rid in self.live:
-            version, prompt, held = self.live[rid]
+            version, prompt, held, _ = self.live[rid]
             self.cache.insert(version, prompt, held[:len(prompt) // PS])
 
     @rule(rid=requests)
     def finish(self, rid):
         if rid in self.live:
-            self.cache.release(self.live.pop(rid)[2])
+            _, _, held, lease = self.live.pop(rid)
+            self.cache.release(held if lease is None else lease)
+            if lease is not None:
+                assert len(lease) == 0
 
     @rule(n=st.integers(0, 6))
     def evict(self, n):
@@ -228,23 +233,36 @@ class CacheMachine(RuleBasedStateMachine):
                           if v < version)
         pinned = any(v < version and (held.size and
                                       self.cache._in_trie[held].any())
-                     for v, _, held in self.live.values())
-        before = (self.cache.pool.refcount.copy(), self.cache.versions())
+                     for v, _, held, _ in self.live.values())
+        before = (self.cache.page_refcounts(), self.cache.versions())
         try:
             assert self.cache.invalidate_before(version) == stale_pages
             assert not pinned, "invalidation succeeded while stale pages were pinned"
             self.min_version = max(self.min_version, version)
         except PinnedPagesError:
             assert pinned
-            np.testing.assert_array_equal(self.cache.pool.refcount, before[0])
+            np.testing.assert_array_equal(self.cache.page_refcounts(), before[0])
             assert self.cache.versions() == before[1]
+
+    @rule(version=st.integers(0, 4))
+    def invalidate_keeping_holders(self, version):
+        """kv_policy "keep": stale pages leave the trie, live requests keep theirs."""
+        self.cache.invalidate_before(version, held=True)
+        self.min_version = max(self.min_version, version)
+        for _, _, held, lease in self.live.values():
+            assert (self.cache.page_refcounts()[held] >= 1).all()
+            if lease is not None:
+                assert sorted(lease.pages.tolist()) == sorted(held.tolist())
 
     @invariant()
     def accounting(self):
         self.cache.check_invariants()
-        held = sum(h.size for _, _, h in self.live.values())
-        ref = self.cache.pool.refcount
+        held = sum(h.size for _, _, h, _ in self.live.values())
+        ref = self.cache.page_refcounts()
         assert ref.sum() == held + self.cache._in_trie.sum()
+        raw = self.cache.pool.refcount  # pins are counted once, in page_refcounts
+        assert raw.sum() + sum(len(self.cache._path_to(last)) * k
+                               for last, k in self.cache._pins.items()) == ref.sum()
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -322,7 +340,7 @@ def test_pages_inserted_past_a_duplicate_prefix_block_its_eviction():
 
 def test_reused_walks_match_a_fresh_walk():
     """peek/acquire/insert reuse, continue or cut the last walk while no trie changed (same
-    data, an extension, a prefix, tuples or lists): every answer equals that of an oracle
+    data, an extension, a prefix; lists, tuples or PackedTokens): every answer equals that of an oracle
     built from page_entries (version, parent page, page key) alone."""
     rng = np.random.default_rng(0)
     cache = RadixCache(64, PS)
@@ -343,14 +361,107 @@ def test_reused_walks_match_a_fresh_walk():
         version = int(rng.integers(0, 2))
         cut = int(rng.integers(0, len(base) + 1))
         tokens = base[:cut] + [int(t) for t in rng.integers(0, 3, int(rng.integers(0, 9)))]
-        tokens = tuple(tokens) if step % 2 else tokens
-        for probe in (tokens, tokens[:len(tokens) // 2], tokens):  # same, prefix, extension
-            assert cache.peek(version, probe) == oracle(version, probe)
-        (m,), fresh = cache.acquire(version, [tokens[:cut]], len(tokens) // PS)
-        assert m.pages.size == oracle(version, tokens[:cut])
-        cache.insert(version, tokens, np.concatenate([m.pages, fresh])[:len(tokens) // PS])
+        tokens = (tokens, tuple(tokens), PackedTokens.of(tokens))[step % 3]
+        listed = list(tokens.tolist() if isinstance(tokens, PackedTokens) else tokens)
+        n_full = len(listed) // PS
+        half = tokens.head(len(listed) // 2) if step % 3 == 2 else tokens[:len(listed) // 2]
+        head = tokens.head(cut) if step % 3 == 2 else tokens[:cut]
+        for probe, plain in ((tokens, listed), (half, listed[:len(listed) // 2]),
+                             (tokens, listed)):  # same, prefix, extension
+            assert cache.peek(version, probe) == oracle(version, plain)
+        (m,), fresh = cache.acquire(version, [head], n_full)
+        assert m.pages.size == oracle(version, listed[:cut])
+        cache.insert(version, tokens, np.concatenate([m.pages, fresh])[:n_full])
         cache.release(np.concatenate([m.pages, fresh]))
-        assert cache.peek(version, tokens) == oracle(version, tokens) == len(tokens) // PS
+        assert cache.peek(version, tokens) == oracle(version, listed) == n_full
         if step % 17 == 16:
             cache.evict(int(rng.integers(1, 8)))
         cache.check_invariants()
+
+
+TOKEN_IDS = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+
+
+@given(TOKEN_IDS, TOKEN_IDS)
+def test_packed_tokens_extend_equals_packing_the_whole_sequence(head, tail):
+    packed = PackedTokens.of(head)
+    whole = packed.extend(tail)
+    assert whole == PackedTokens.of(head + tail) == np.asarray(head + tail, "<i4").tobytes()
+    assert whole.num_tokens == len(head + tail) and whole.tolist() == head + tail
+    assert whole.head(len(head)) == packed and PackedTokens.of(whole) is whole
+
+
+def test_packed_tokens_refuse_what_token_lists_refuse():
+    for bad, error in (("abcd", TypeError), ([1, 2.0], TypeError), ([1, -1], ValueError),
+                       ([2**31], ValueError), (np.zeros((2, 4), int), TypeError),
+                       ([True, False], TypeError), (None, TypeError)):
+        with pytest.raises(error, match="tokens"):
+            PackedTokens.of(bad)
+        with pytest.raises(error, match="tokens"):
+            PackedTokens.of([1, 2]).extend(bad)
+
+
+def test_lease_pins_a_matched_path_once_until_eviction_needs_page_counts():
+    """A lease holds its matched path as one pin: the pool's refcounts do not move, every
+    accounting view (page_refcounts, stats, eviction, invalidation) counts it; an eviction
+    turns pins into page references and the leases release those."""
+    cache = RadixCache(16, PS)
+    prompt = list(range(3 * PS))
+    run_request(cache, 0, prompt)
+    cache.release(cache.match(0, prompt).pages)  # run_request's match reference
+    cache.release(np.flatnonzero(cache.pool.refcount == 2).astype(np.int32))
+    assert cache.stats().cached_pages == 3
+    first, second = Lease(), Lease()
+    m = cache.match(0, prompt, lease=first)
+    cache.match(0, prompt[:2 * PS], lease=second)  # a second pin, on a prefix
+    assert cache.pool.refcount[m.pages].tolist() == [1, 1, 1]
+    assert cache.page_refcounts()[m.pages].tolist() == [3, 3, 2]
+    assert sorted(first.pages.tolist()) == sorted(m.pages.tolist()) and len(second) == 2
+    assert cache.stats().in_use_pages == 3 and cache.num_evictable == 0
+    with pytest.raises(PinnedPagesError):
+        cache.invalidate_before(1)
+    assert cache.evict(16) == 0  # flushes: pins become page references
+    assert cache.pool.refcount[m.pages].tolist() == [3, 3, 2] and not cache._pins
+    cache.release(first)
+    cache.check_invariants()
+    assert cache.page_refcounts()[m.pages].tolist() == [2, 2, 1]
+    cache.match(0, prompt, lease=first)  # pinned again, after the flush
+    assert cache.invalidate_before(1, held=True) == 3  # holders keep the pages
+    assert cache.page_refcounts()[m.pages].tolist() == [2, 2, 1]
+    with pytest.raises(ValueError, match="another cache"):
+        RadixCache(16, PS).release(first)
+    cache.release(first)
+    cache.release(second)
+    assert cache.pool.num_free == 15 and len(first) == len(second) == 0
+    cache.check_invariants()
+
+
+def test_insert_releasing_equals_insert_then_release_and_changes_nothing_on_error():
+    def state(cache):
+        return (cache.page_entries(), cache.page_refcounts().tolist(),
+                sorted(cache.pool._free[:cache.pool.num_free].tolist()))
+
+    caches = RadixCache(32, PS), RadixCache(32, PS)
+    for i, tokens in enumerate([list(range(10)), list(range(8)) + [5] * 6, [7] * 9]):
+        for merged, cache in enumerate(caches):
+            lease = Lease()
+            m = cache.match(0, tokens[:4], lease=lease)
+            fresh = cache.alloc(len(tokens) // PS - m.pages.size + 1, lease=lease)
+            pages = np.concatenate([m.pages, fresh])
+            if merged:
+                cache.insert(0, tokens, pages, release=lease)
+            else:
+                cache.insert(0, tokens, pages)
+                cache.release(lease)
+            cache.check_invariants()
+        assert state(caches[0]) == state(caches[1])
+    cache = caches[1]
+    held = cache.alloc(2)
+    before = state(cache)
+    unheld = np.concatenate([held, np.flatnonzero(cache.pool.refcount[1:] == 0)[:1] + 1])
+    with pytest.raises(ValueError, match="not held"):
+        cache.insert(0, [3] * 8, held, release=unheld)
+    assert state(cache) == before and cache.peek(0, [3] * 8) == 0
+    cache.insert(0, [3] * 8, held, release=held)
+    assert cache.peek(0, [3] * 8) == 2 and cache.stats().in_use_pages == 0
+    cache.check_invariants()

@@ -27,7 +27,7 @@ import functools
 import heapq
 import itertools
 import struct
-from typing import Collection, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -42,6 +42,73 @@ from jaxrl_cache.versioning import as_version
 def _pages_format(n: int, size: int) -> struct.Struct:
     """Splits the first n * size bytes into n bytes objects of `size` in one C call."""
     return struct.Struct(f"{size}s" * n)
+
+
+def _pack(tokens: Sequence[int], name: str) -> bytes:
+    """int32 little-endian bytes of token ids, each an integer in [0, 2**31): one C-level
+    pass for a list or tuple of ints, numpy for the rest (which also names what is wrong; a
+    sequence of bools is refused, as numpy types it bool)."""
+    if (type(tokens) in (list, tuple) and tokens
+            and not isinstance(tokens[0], (bool, np.bool_))):
+        try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
+            data = struct.pack(f"<{len(tokens)}I", *tokens)
+        except Exception:  # the numpy path below names what is wrong
+            data = b"\xff" * 4
+        if data[3::4].isascii():
+            return data
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be a sequence of integer token ids, got "
+                        f"{type(tokens).__name__} {tokens!r:.80}")
+    arr = np.asarray(tokens)
+    if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must be a 1-D sequence of integer token ids, got "
+                        f"{tokens!r:.80}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+        raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
+    return arr.astype("<i4").tobytes()
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    """arr, made read-only: page ids handed out are also what a Lease records (and a
+    matched chain is shared by every match of it)."""
+    arr.flags.writeable = False
+    return arr
+
+
+_NO_PAGES = _readonly(np.zeros(0, np.int32))
+
+
+class PackedTokens(bytes):
+    """Token ids as the int32 bytes the trie keys its pages by, checked once. Every cache call
+    that takes tokens takes one of these as it is, so a caller that packs a prompt once
+    (`PackedTokens.of`) and extends it by each sample's output (`extend` converts only the
+    new tokens) does no per-token Python work on the prompt again. Build it only with `of`
+    and `extend`."""
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], name: str = "tokens") -> PackedTokens:
+        """tokens: ints in [0, 2**31) (list, tuple or 1-D integer array)."""
+        return tokens if type(tokens) is cls else cls(_pack(tokens, name))
+
+    def extend(self, tokens: Sequence[int], name: str = "tokens") -> PackedTokens:
+        """These tokens followed by `tokens`."""
+        data = _pack(tokens, name)
+        return PackedTokens(self + data) if data else self
+
+    def head(self, n: int) -> PackedTokens:
+        """The first n tokens."""
+        return PackedTokens(self[:4 * as_count(n, "n")])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self) >> 2
+
+    def tolist(self) -> list[int]:
+        return array.array("i", self).tolist()
+
+    def __repr__(self) -> str:
+        return f"PackedTokens({self.tolist()!r:.80})"
 
 
 class _Node:
@@ -59,28 +126,34 @@ class _Node:
         self.version = version
 
 
-@dataclasses.dataclass(frozen=True)
-class Match:
-    pages: np.ndarray  # int32 [n] pinned pages of the matched prefix, in order
+class Match(NamedTuple):
+    pages: np.ndarray  # int32 [n] pinned pages of the matched prefix, in order (read-only)
     num_tokens: int  # n * page_size
 
 
 class Lease:
     """The page references one caller holds. Cache calls given a lease add what they hand out
     to it in the same atomic step; `RadixCache.release(lease)` returns them all and empties it
-    (releasing an empty lease does nothing, so a retried cleanup is harmless)."""
-    __slots__ = ("_parts",)
+    (releasing an empty lease does nothing, so a retried cleanup is harmless). A matched path
+    is held as one pin on its last page (see `RadixCache`), not one reference per page."""
+    __slots__ = ("_parts", "_pins")
 
     def __init__(self):
-        self._parts: tuple = ()  # sequences of page ids; the tuple is replaced, never mutated
+        # the tuples are replaced, never mutated: sequences of page ids, and
+        # (cache, last page of a pinned path, the cache's pin epoch when pinned)
+        self._parts: tuple = ()
+        self._pins: tuple = ()
+
+    def _expanded(self) -> list:
+        return [*self._parts, *(cache._path_to(last) for cache, last, _ in self._pins)]
 
     @property
     def pages(self) -> np.ndarray:
         """int32 [n] every reference held (a page appears once per reference)."""
-        return np.fromiter(itertools.chain.from_iterable(self._parts), np.int32)
+        return np.fromiter(itertools.chain.from_iterable(self._expanded()), np.int32)
 
     def __len__(self) -> int:
-        return sum(map(len, self._parts))
+        return sum(map(len, self._expanded()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +194,17 @@ class RadixCache:
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node holding it
         self._clock = itertools.count(1)
-        # token tuples converted lately: id -> (tuple, int32 bytes, bytes of its full pages)
-        self._recent: dict[int, tuple] = {}
-        self._last: tuple = ((), b"", b"")  # the entry used last (a new tuple may extend it)
         self._epoch = 0  # bumped by every change of any trie's structure
         # the last walk: (data, version, epoch, nodes, pages matched, byte where the last
         # node's key begins)
         self._last_walk: tuple = (b"", 0, -1, [], 0, 0)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
+        # lease pins not yet in the pool's refcounts: last page of a path -> count; each
+        # stands for one reference to every page from the root down to that page
+        self._pins: dict[int, int] = {}
+        self._pin_epoch = 0  # bumped by every flush of the pins into the refcounts
+        self._chains: dict[int, np.ndarray] = {}  # see _chain
 
     # ---------------------------------------------------------------- allocation
     @property
@@ -137,10 +212,10 @@ class RadixCache:
         """Pages `alloc` can hand out now: free + evictable cached."""
         return self.pool.num_free + self.num_evictable
 
-    def peek(self, version: int, tokens: Sequence[int]) -> int:
+    def peek(self, version: int, tokens: Sequence[int] | PackedTokens) -> int:
         """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
         (no pin, no lookup counted, no LRU stamp)."""
-        return self._walk(as_version(version), self._token_bytes(tokens))[1]
+        return self._walk(as_version(version), self._token_bytes(tokens)[0])[1]
 
     @property
     def num_evictable(self) -> int:
@@ -150,8 +225,9 @@ class RadixCache:
     def _evictable(self) -> np.ndarray:
         """bool [P]: cached pages (trie only) with no pinned page below them. A pinned page
         sits under a cached one only where `insert` continued past a duplicate prefix."""
-        cached = self._in_trie & (self.pool.refcount == 1)
-        up = self._parent[self._in_trie & (self.pool.refcount > 1)]
+        refcount = self.page_refcounts()
+        cached = self._in_trie & (refcount == 1)
+        up = self._parent[self._in_trie & (refcount > 1)]
         up = up[cached[up]]
         while up.size:  # climb through cached ancestors; a pinned one has its own entry
             cached[up] = False
@@ -164,8 +240,8 @@ class RadixCache:
         leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
         return self._acquire(0, [], 0, as_count(n, "n"), lease)[1]
 
-    def acquire(self, version: int, prefixes: Sequence[Sequence[int]], n_fresh: int, *,
-                lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
+    def acquire(self, version: int, prefixes: Sequence[Sequence[int] | PackedTokens],
+                n_fresh: int, *, lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
         """`match` of each prefix plus `alloc(n_fresh)` as one step: returns (matches, fresh
         pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
         raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
@@ -174,18 +250,26 @@ class RadixCache:
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        data = [self._token_bytes(p, i) for i, p in enumerate(prefixes)]
-        return self._acquire(version, data, sum(map(len, prefixes)),
-                             as_count(n_fresh, "n_fresh"), lease)
+        data, tokens = [], 0
+        for i, prefix in enumerate(prefixes):
+            packed, length = self._token_bytes(prefix, i)
+            data.append(packed)
+            tokens += length
+        return self._acquire(version, data, tokens, as_count(n_fresh, "n_fresh"), lease)
 
     def _acquire(self, version: int, data: list[bytes], lookup_tokens: int, n_fresh: int,
                  lease: Lease | None) -> tuple[list[Match], np.ndarray]:
         if lease is not None and not isinstance(lease, Lease):
             raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
         walks = [self._walk(version, d) for d in data]
-        ids = [self._path_pages(path, n) for path, n in walks]
+        matches, lasts, hit_tokens = [], [], 0
+        for path, n, start in walks:
+            chain, last = self._chain(path, n, start)
+            matches.append(Match(chain, n * self.page_size))
+            lasts.append(last)
+            hit_tokens += n * self.page_size
         if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
-            pinned = np.fromiter(itertools.chain.from_iterable(ids), np.int32)
+            pinned = np.concatenate([m.pages for m in matches] + [_NO_PAGES])
             evictable = self._evictable()
             evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
             if n_fresh > self.pool.num_free + evictable:
@@ -194,45 +278,106 @@ class RadixCache:
                     f"made available ({self.pool.num_free} free + {evictable} evictable "
                     f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
-        matches = [Match(np.array(pages, np.int32), len(pages) * self.page_size)
-                   for pages in ids]
-        pool, ref = self.pool, self.pool._ref
+        pool, ref, pins = self.pool, self.pool._ref, self._pins
         with deferred_signals():
             now = next(self._clock)
-            for i, (path, n) in enumerate(walks):
+            for i, (path, n, start) in enumerate(walks):
                 if path:
                     if i:  # an earlier prefix may have split a node of this path
-                        path, n = self._walk(version, data[i])
-                    self._split(path[-1], n)
-                    self._still_walked(data[i])
+                        path, n, start = self._walk(version, data[i])
+                    if self._split(path[-1], n - start // self._page_bytes):
+                        self._still_walked(data[i])
                     for node in path:
                         node.last_access = now
-                    for page in ids[i]:
-                        ref[page] += 1
+                    if lease is None:
+                        for page in matches[i].pages.tolist():
+                            ref[page] += 1
+                    else:  # one pin for the whole path
+                        last = lasts[i]
+                        pins[last] = pins.get(last, 0) + 1
+                        lease._pins += ((self, last, self._pin_epoch),)
             if n_fresh > pool._num_free:
                 self._evict(n_fresh - pool._num_free)
             fresh = pool._take(n_fresh)
             counters = self._counters
             counters["lookups"] += len(data)
             counters["lookup_tokens"] += lookup_tokens
-            counters["hit_tokens"] += sum(map(len, ids)) * self.page_size
+            counters["hit_tokens"] += hit_tokens
             if lease is not None:
-                lease._parts += (*ids, fresh)
-        return matches, np.array(fresh, np.int32)
+                lease._parts += (fresh,)
+        return matches, _readonly(np.frombuffer(fresh, np.int32))
 
     def release(self, pages: np.ndarray | Lease) -> None:
         """Drops the caller's reference to each page (from alloc or match), or every
         reference a lease holds (then empties it)."""
-        if isinstance(pages, Lease):
-            lease, parts = pages, pages._parts
-        else:
-            lease, parts = None, (as_page_list(pages, self.pool.num_pages),)
-        with deferred_signals():  # one pass: the pool undoes it all if a page was not held
-            if not self.pool._decref_parts(parts):
-                raise ValueError(f"released pages that were not held: "
-                                 f"{list(itertools.chain.from_iterable(parts))}")
-            if lease is not None:
-                lease._parts = ()
+        plan = self._plan_release(pages)
+        with deferred_signals():
+            self._apply_release(*plan)
+
+    def _plan_release(self, pages: np.ndarray | Lease) -> tuple:
+        """(lease or None, page sequences to drop a reference from, {last page: pins to
+        drop}); checks the pins (the pages are checked as they are dropped)."""
+        unpin = {}  # last page -> pins to drop
+        if not isinstance(pages, Lease):
+            return None, (as_page_list(pages, self.pool.num_pages),), unpin
+        lease, parts = pages, pages._parts
+        for cache, last, epoch in lease._pins:
+            if cache is not self:
+                raise ValueError("release of a lease that holds pins of another cache")
+            if epoch == self._pin_epoch:
+                unpin[last] = unpin.get(last, 0) + 1
+            else:  # flushed since: the path's pages hold one reference each
+                parts += (self._path_to(last),)
+        for last, k in unpin.items():
+            if self._pins.get(last, 0) < k:
+                raise ValueError(f"released a pin that was not held (the path ending at "
+                                 f"page {last})")
+        return lease, parts, unpin
+
+    def _apply_release(self, lease: Lease | None, parts: tuple, unpin: dict) -> None:
+        """(Inside a commit.) One pass: if a page was not held the pool undoes it all and
+        this raises with nothing changed."""
+        if not self.pool._decref_parts(parts):
+            raise ValueError(f"released pages that were not held: "
+                             f"{list(itertools.chain.from_iterable(parts))}")
+        if lease is not None:
+            pins = self._pins
+            for last, k in unpin.items():
+                if pins[last] == k:
+                    del pins[last]
+                else:
+                    pins[last] -= k
+            lease._parts = lease._pins = ()
+
+    def _path_to(self, last: int) -> list[int]:
+        """The pages from the root down to trie page `last` (parent links stay valid while
+        any reference holds the path)."""
+        path, parents = [], self._parents
+        while last:
+            path.append(last)
+            last = parents[last]
+        path.reverse()
+        return path
+
+    def page_refcounts(self) -> np.ndarray:
+        """int32 [P] references per page, lease pins included (a copy: pool.refcount counts a
+        pin only once something needed the pool's own counts, see `_flush_pins`)."""
+        refcount = self.pool.refcount.copy()
+        for last, k in self._pins.items():
+            refcount[self._path_to(last)] += k
+        return refcount
+
+    def _flush_pins(self) -> None:
+        """(Inside a commit.) Turns every pin into one reference per page of its path, so
+        eviction and invalidation can read the pool's refcounts; the leases holding them
+        release pages from then on (their pin epoch is older)."""
+        if self._pins:
+            ref = self.pool._ref
+            for last, k in self._pins.items():
+                for page in self._path_to(last):
+                    ref[page] += k
+            self._pins = {}
+            self._pin_epoch += 1
 
     def evict(self, n: int) -> int:
         """Frees up to n unpinned cached pages: the oldest version namespace first, least
@@ -242,6 +387,7 @@ class RadixCache:
             return self._evict(n)
 
     def _evict(self, n: int) -> int:
+        self._flush_pins()
         ref, size = self.pool._ref, self._page_bytes
         leaves = [(node.version, node.last_access, id(node), node)
                   for nodes in self._nodes.values() for page, node in nodes.items()
@@ -267,63 +413,32 @@ class RadixCache:
                                         parent))
         pages = np.asarray(evicted, np.int32)
         self._epoch += 1
+        self._chains.clear()
         self._in_trie[pages] = False
         self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
         return len(evicted)
 
     # ---------------------------------------------------------------- prefix trie
-    def page_keys(self, tokens: Sequence[int], name: str = "tokens") -> tuple[bytes, ...]:
+    def page_keys(self, tokens: Sequence[int] | PackedTokens,
+                  name: str = "tokens") -> tuple[bytes, ...]:
         """Hashable key of each full page of `tokens`: its int32 bytes (see `_token_bytes`)."""
-        data = self._token_bytes(tokens, name)
+        data = self._token_bytes(tokens, name)[0]
         return _pages_format(len(data) // self._page_bytes, self._page_bytes).unpack_from(data)
 
-    def _token_bytes(self, tokens: Sequence[int], name: str | int = "tokens") -> bytes:
-        """int32 bytes of the full pages of `tokens`, built in one C-level pass (no per-token
-        Python work); a tuple seen in the last few calls is not converted again, and one
-        that extends the tuple used last (a prompt, then each prompt + output) converts only
-        its new tail. Token ids must be
-        integers in [0, 2**31) (a sequence of bools is refused, as numpy types it bool)."""
-        if type(tokens) is tuple:
-            hit = self._recent.get(id(tokens))
-            if hit is not None and hit[0] is tokens:
-                self._last = hit
-                return hit[2]
-        if (type(tokens) in (list, tuple) and tokens
-                and not isinstance(tokens[0], (bool, np.bool_))):
-            last, last_data, _ = self._last
-            done = len(last) if type(tokens) is tuple and tokens[:len(last)] == last else 0
-            try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-                tail = struct.pack(f"<{len(tokens) - done}I", *tokens[done:])
-            except Exception:  # the numpy path below names what is wrong
-                tail = b"\xff" * 4
-            if tail[3::4].isascii():  # the base's bytes were checked when it was converted
-                data = last_data[:4 * done] + tail if done else tail
-                full = data[:len(data) - len(data) % self._page_bytes]
-                if type(tokens) is tuple:
-                    if len(self._recent) >= 8:
-                        del self._recent[next(iter(self._recent))]
-                    self._recent[id(tokens)] = entry = (tokens, data, full)
-                    if not done:  # an extension leaves its base in place for its siblings
-                        self._last = entry
-                return full
-        if type(name) is int:  # an index into acquire's prefixes (formatted only here)
-            name = f"prefixes[{name}]"
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
-            raise TypeError(f"{name} must be a sequence of integer token ids, got "
-                            f"{type(tokens).__name__} {tokens!r:.80}")
-        arr = np.asarray(tokens)
-        if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
-            raise TypeError(f"{name} must be a 1-D sequence of integer token ids, got "
-                            f"{tokens!r:.80}")
-        if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
-            raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
-        data = arr.astype("<i4").tobytes()
-        return data[:len(data) - len(data) % self._page_bytes]
+    def _token_bytes(self, tokens: Sequence[int] | PackedTokens,
+                     name: str | int = "tokens") -> tuple[bytes, int]:
+        """(int32 bytes of the full pages of `tokens`, number of tokens); a PackedTokens is
+        taken as it is."""
+        if type(tokens) is not PackedTokens:
+            tokens = _pack(tokens, name if type(name) is str else f"prefixes[{name}]")
+        cut = len(tokens) % self._page_bytes
+        return (tokens[:len(tokens) - cut] if cut else tokens), len(tokens) >> 2
 
-    def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int]:
-        """(nodes, n): the longest cached prefix of the full pages `data` under `version` is
-        n pages, held by `nodes` in order, the last possibly only in part (no change). While
+    def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int, int]:
+        """(nodes, n, start): the longest cached prefix of the full pages `data` under
+        `version` is n pages, held by `nodes` in order, the last possibly only in part, whose
+        key begins at byte `start` of data (no change). While
         no trie changed, the last walk is reused for the same data (peek, then acquire),
         continued for data that extends it (acquire of a prompt, then insert of prompt +
         output) and cut for data that begins it (the next sample's prompt)."""
@@ -332,7 +447,7 @@ class RadixCache:
         if epoch == self._epoch and last_version == version:
             if data.startswith(last_data):
                 if last_data is data or n * size < len(last_data):  # stops where it stopped
-                    return path, n
+                    return path, n, start
                 if path:
                     path = path.copy()
                     return self._descend(version, data, path, path[-1], start, n * size)
@@ -345,15 +460,15 @@ class RadixCache:
                     keep.append(node)
                     start, end = end, end + len(node.key)
                 self._last_walk = (data, version, epoch, keep, n, start)
-                return keep, n
+                return keep, n, start
         return self._descend(version, data, [], self._roots.get(version), 0, 0)
 
     def _descend(self, version: int, data: bytes, path: list[_Node], node: _Node | None,
-                 start: int, done: int) -> tuple[list[_Node], int]:
+                 start: int, done: int) -> tuple[list[_Node], int, int]:
         """Continues a walk at `node` (the last of `path`, or a root), whose key begins at
         byte `start` of data and is known to match up to byte `done`."""
         if node is None:
-            return path, 0
+            return path, 0, 0
         size, end, key = self._page_bytes, len(data), node.key
         while True:
             if len(key) > done - start:  # part of the node is not yet compared
@@ -373,7 +488,7 @@ class RadixCache:
             node, key, start = child, child.key, done
             done += size  # children are keyed by their first page
         self._last_walk = (data, version, self._epoch, path, done // size, start)
-        return path, done // size
+        return path, done // size, start
 
     def _still_walked(self, data: bytes) -> None:
         """After `_split` cut the last node of data's walk at the walk's end: the walk is
@@ -382,25 +497,26 @@ class RadixCache:
         if last[0] is data:
             self._last_walk = (data, last[1], self._epoch) + last[3:]
 
-    @staticmethod
-    def _path_pages(path: list[_Node], n: int) -> list[int]:
-        """The first n pages held by the nodes of a walk."""
-        pages = []
-        for node in path:
-            pages += node.pages
-        del pages[n:]
-        return pages
+    def _chain(self, path: list[_Node], n: int, start: int) -> tuple[np.ndarray, int]:
+        """(int32 [n] (read-only) the pages of a walk (see `_walk`), its last page or 0).
+        Memoised by last page: a trie page's chain of ancestors changes only when pages leave
+        the trie (eviction, invalidation, reconcile), which empties the memo."""
+        if not n:
+            return _NO_PAGES, 0
+        last = path[-1].pages[n - start // self._page_bytes - 1]
+        chain = self._chains.get(last)
+        if chain is None:
+            if len(self._chains) >= 4096:
+                self._chains.clear()
+            chain = self._chains[last] = _readonly(np.array(self._path_to(last), np.int32))
+        return chain, last
 
-    def _split(self, node: _Node, n: int) -> None:
-        """Cuts the last node of a walk of n pages (inside a commit) after the walk's pages:
-        its other pages become its only child, inheriting its children. The trie's meaning
-        is unchanged."""
-        keep, up = n, node.parent
-        while up.pages:
-            keep -= len(up.pages)
-            up = up.parent
+    def _split(self, node: _Node, keep: int) -> bool:
+        """(Inside a commit.) Cuts the last node of a walk after its first `keep` pages (the
+        walk's): its other pages become its only child, inheriting its children. The trie's
+        meaning is unchanged. Returns whether it cut."""
         if keep >= len(node.pages):
-            return
+            return False
         self._epoch += 1
         cut = keep * self._page_bytes
         tail = _Node(node.key[cut:], node.pages[keep:], node, node.version, node.last_access)
@@ -412,15 +528,18 @@ class RadixCache:
         nodes = self._nodes[node.version]
         for page in tail.pages:
             nodes[page] = tail
+        return True
 
-    def match(self, version: int, tokens: Sequence[int], *,
+    def match(self, version: int, tokens: Sequence[int] | PackedTokens, *,
               lease: Lease | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
         caller (release the returned pages, or the lease, when done)."""
         version = as_version(version)
-        return self._acquire(version, [self._token_bytes(tokens)], len(tokens), 0, lease)[0][0]
+        data, length = self._token_bytes(tokens)
+        return self._acquire(version, [data], length, 0, lease)[0][0]
 
-    def insert(self, version: int, tokens: Sequence[int], pages: np.ndarray) -> int:
+    def insert(self, version: int, tokens: Sequence[int] | PackedTokens,
+               pages: np.ndarray, *, release: np.ndarray | Lease | None = None) -> int:
         """Records the full pages of `tokens` (KV written by `version`).
 
         pages [>= len(tokens) // page_size] in order; those past the cached prefix (the ones
@@ -429,31 +548,48 @@ class RadixCache:
         continues below them: a duplicate holds the same tokens' KV under the same version,
         so what follows is the same whichever copy it was computed against. Returns how many
         pages the trie took.
+
+        release: then drop these references as `release(release)` does, in the same step (a
+        request finishing: cache its pages, let go of them); if it holds a page that is not
+        held, raises with nothing inserted.
         """
         version = as_version(version)
-        data = self._token_bytes(tokens)
+        data = self._token_bytes(tokens)[0]
         size = self._page_bytes
         full = len(data) // size
-        pages = as_page_list(pages, self.pool.num_pages)
+        if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind != "i":
+            pages = as_page_ids(pages, self.pool.num_pages)
         if len(pages) < full:
             raise ValueError(f"{full} full pages of tokens but only {len(pages)} pages")
-        path, n = self._walk(version, data)
-        new_pages = pages[n:full]  # one new node holds them, below the cached prefix
-        if new_pages:
-            ref, trie = self.pool._ref, self._trie
-            if min(map(ref.__getitem__, new_pages)) < 1:
-                raise ValueError(f"insert of pages the caller does not hold: "
-                                 f"{[p for p in new_pages if ref[p] < 1]}")
-            if any(map(trie.__getitem__, new_pages)) or len(set(new_pages)) < len(new_pages):
+        path, n, start = self._walk(version, data)
+        # one new node holds them, below the cached prefix (the only pages the trie reads)
+        new_pages = pages[n:full].tolist()
+        ref, trie, num_pages = self.pool._ref, self._trie, self.pool.num_pages
+        clash = len(set(new_pages)) < len(new_pages)
+        for page in new_pages:  # one pass; the errors name every offending page
+            if clash or not 0 < page < num_pages or ref[page] < 1 or trie[page]:
+                as_page_list(new_pages, num_pages)  # raises for an id out of range
+                if any(ref[p] < 1 for p in new_pages):
+                    raise ValueError(f"insert of pages the caller does not hold: "
+                                     f"{[p for p in new_pages if ref[p] < 1]}")
                 raise ValueError(f"pages {new_pages} include one already cached under another "
                                  f"prefix or listed twice")
+        plan = None if release is None else self._plan_release(release)
         with deferred_signals():
+            if plan is not None:  # the trie's references first: a release never frees them
+                for page in new_pages:
+                    ref[page] += 1
+                try:
+                    self._apply_release(*plan)
+                except ValueError:
+                    for page in new_pages:
+                        ref[page] -= 1
+                    raise
             if version not in self._roots:
                 self._roots[version] = _Node(b"", [], None, version, 0)
                 self._nodes[version] = {}
             now = next(self._clock)
-            if path:
-                self._split(path[-1], n)
+            cut = path and self._split(path[-1], n - start // size)
             for node in path:
                 node.last_access = now
             if new_pages:
@@ -461,18 +597,20 @@ class RadixCache:
                 parent = path[-1] if path else self._roots[version]
                 child = _Node(data[n * size:], new_pages, parent, version, now)
                 parent.children[data[n * size:(n + 1) * size]] = child
-                self._nodes[version].update(dict.fromkeys(new_pages, child))
-                parents = self._parents
+                nodes, parents = self._nodes[version], self._parents
                 above = parent.pages[-1] if parent.pages else 0
                 for page in new_pages:
+                    nodes[page] = child
                     trie[page] = 1
                     parents[page] = above
-                    ref[page] += 1
                     above = page
+                if plan is None:
+                    for page in new_pages:
+                        ref[page] += 1
                 self._counters["inserted_pages"] += len(new_pages)
                 # the walk of data now ends at the new node (kept for the next walk)
                 self._last_walk = (data, version, self._epoch, path + [child], full, n * size)
-            elif path:
+            elif cut:
                 self._still_walked(data)
         return len(new_pages)
 
@@ -496,13 +634,15 @@ class RadixCache:
         if not stale:
             return 0
         pages = np.fromiter((p for v in stale for p in self._nodes[v]), np.int32)
-        pinned = pages[self.pool.refcount[pages] > 1]
+        pinned = pages[self.page_refcounts()[pages] > 1]
         if pinned.size and not held:
             raise PinnedPagesError(
                 f"cannot invalidate versions {sorted(stale)} {what}: "
                 f"{pinned.size} of their {pages.size} pages are held by live requests")
         with deferred_signals():
+            self._flush_pins()  # pinned pages that leave the trie stay with their holders
             self._epoch += 1
+            self._chains.clear()
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
@@ -521,11 +661,14 @@ class RadixCache:
         keep = {as_version(v, "keep_versions") for v in keep_versions}
         with deferred_signals():
             self._epoch += 1
+            self._chains.clear()
             for v in [v for v in self._roots if v not in keep]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
                 del self._roots[v], self._nodes[v]
             self.pool.reset(self._in_trie)
+            self._pins = {}
+            self._pin_epoch += 1
 
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:
@@ -544,7 +687,7 @@ class RadixCache:
         return sorted(out)
 
     def stats(self) -> CacheStats:
-        ref = self.pool.refcount[1:]
+        ref = self.page_refcounts()[1:]
         trie = self._in_trie[1:]
         cached = int((trie & (ref == 1)).sum())
         return CacheStats(
@@ -557,9 +700,11 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Raises AssertionError if page accounting or trie structure is inconsistent."""
-        ref = self.pool.refcount
+        assert (self.pool.refcount >= 0).all(), "negative refcount"
+        for last, k in self._pins.items():
+            assert k >= 1 and self._in_trie[last], "pin on a page outside the trie"
+        ref = self.page_refcounts()
         assert ref[0] == 0, "null page was handed out"
-        assert (ref >= 0).all(), "negative refcount"
         free = self.pool._free[:self.pool.num_free]
         assert len(set(free.tolist())) == free.size, "page on the free list twice"
         assert (ref[free] == 0).all() and not self._in_trie[free].any(), "free page in use"
