@@ -96,7 +96,7 @@ def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     done = scheduler.apply_chunk([fresh], tokens[:1], logprobs[:1], np.array([1]),
                                  np.array([True]), max_new_tokens=5, version=0)
     assert done == [0] and fresh.finish_reason == "stop" and fresh.tokens == [9, 9, 9]
-    assert scheduler.written_tokens(fresh) == (1, 2, 3, 9, 9)
+    assert fresh.prompt == (1, 2, 3) and scheduler.written_outputs(fresh) == [9, 9]
 
 
 def test_resumed_row_re_prefills_its_context_and_continues_its_stream():

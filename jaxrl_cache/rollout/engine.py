@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_cache.cache import CacheStats, RadixCache
+from jaxrl_cache.cache import CacheStats, PackedTokens, RadixCache
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
@@ -408,6 +408,8 @@ class _Run:
         # Without sharing, each sample is a unit of its own (a baseline).
         self.waiting = collections.deque((g, j) for g in range(len(prompts)) for j in range(n))
         self.prompts = prompts
+        # each prompt packed once for the cache; a sample's sequences extend it (_packed)
+        self.packed = [PackedTokens.of(p) for p in prompts] if self.share else None
         self.width = bucket(max(scheduler.row_pages(len(p), sampling.max_new_tokens, self.ps)
                                 for p in prompts), 8)
         self.finished: dict[int, scheduler.Row] = {}
@@ -426,6 +428,13 @@ class _Run:
     def key(self) -> int:
         """The radix namespace of the run's current version."""
         return self.engine._cache_key(self.weights.version)
+
+    def _packed(self, group: int, tokens: Sequence[int]) -> PackedTokens:
+        """tokens (prompt `group`, then outputs) in the cache's form: only what follows the
+        prompt is converted."""
+        packed = self.packed[group]
+        n = packed.num_tokens
+        return packed if len(tokens) == n else packed.extend(tokens[n:])
 
     @property
     def done(self) -> bool:
@@ -498,7 +507,7 @@ class _Run:
         short); None, changing nothing, if not even one fits now or the prefill budget of
         this round is spent (budget None: the round's first unit, always within budget)."""
         n_new = self.sampling.max_new_tokens
-        got = self._claim(prompt, rows, n_new, pending, budget)
+        got = self._claim(g, prompt, rows, n_new, pending, budget)
         if got is None:
             return None
         matched, fresh, m = got
@@ -510,14 +519,14 @@ class _Run:
         for row in unit.rows:
             row.kv_now, row.kv_versions = {self.weights.version}, {self.weights.version}
         if self.share:
-            self._remember(pending, prompt, prefix)
+            self._remember(pending, self.packed[g], prefix)
         return unit
 
     def _try_resume(self, row: scheduler.Row, pending, budget):
         """A one-row unit re-prefilling `row`'s context with the current params (None,
         changing nothing, if it does not fit now)."""
         context, remaining = row.context, self.sampling.max_new_tokens - len(row.tokens)
-        got = self._claim(context, 1, remaining, pending, budget)
+        got = self._claim(row.group, context, 1, remaining, pending, budget)
         if got is None:
             return None
         matched, fresh, _ = got
@@ -526,21 +535,27 @@ class _Run:
         row.kv_now = {self.weights.version}
         row.kv_versions.add(self.weights.version)
         if self.share:
-            self._remember(pending, context, row.pages[:len(context) // self.ps])
+            self._remember(pending, self._packed(row.group, context),
+                           row.pages[:len(context) // self.ps])
         return unit
 
-    def _claim(self, context, rows, n_new, pending, budget):
-        """Pins the cached prefix of `context` (trie, then this round's pending prefills) and
-        allocates fresh pages for up to `rows` rows generating up to n_new tokens each.
-        Returns (matched int32 [c], fresh int32 [f], rows granted) or None, changing nothing."""
+    def _claim(self, group, context, rows, n_new, pending, budget):
+        """Pins the cached prefix of `context` (prompt `group` + outputs; trie, then this
+        round's pending prefills) and allocates fresh pages for up to `rows` rows generating
+        up to n_new tokens each. Returns (matched int32 [c], fresh int32 [f], rows granted)
+        or None, changing nothing."""
         cache, ps = self.cache, self.ps
-        head = context[:-1]  # the last token is always computed: its logits start decode
+        # the last token is always computed: its logits start decode
+        head = self._packed(group, context).head(len(context) - 1) if self.share else ()
         in_trie = cache.peek(self.key, head) if self.share else 0
         extra = self._pending_pages(head, in_trie, pending)
         cached = (in_trie + extra.size) * ps
         if budget is not None and len(context) - cached > budget:
             return None
-        available = cache.available_pages - in_trie  # pinning may take evictable pages
+        shared, own = scheduler.unit_page_need(len(context), cached, rows, n_new, ps)
+        available = cache.pool.num_free  # enough for every row: evictable pages not counted
+        if shared + rows * own > available:
+            available = cache.available_pages - in_trie  # pinning may take evictable pages
         for m in range(rows, 0, -1):
             shared, own = scheduler.unit_page_need(len(context), cached, m, n_new, ps)
             if shared + m * own <= available:
@@ -557,7 +572,7 @@ class _Run:
                                   extra]).astype(np.int32)
         return matched, fresh, m
 
-    def _pending_pages(self, head, skip: int, pending) -> np.ndarray:
+    def _pending_pages(self, head: PackedTokens, skip: int, pending) -> np.ndarray:
         """Pages of head's full pages beyond the first `skip` that earlier units of this round
         are prefilling (not yet in the trie; their rows hold them)."""
         node, extra = pending, []
@@ -570,7 +585,7 @@ class _Run:
                 extra.append(page)
         return np.asarray(extra, np.int32)
 
-    def _remember(self, pending, prompt, pages) -> None:
+    def _remember(self, pending, prompt: PackedTokens, pages) -> None:
         node = pending
         for key, page in zip(self.cache.page_keys(prompt), pages.tolist()):
             node = node.setdefault(key, (page, {}))[1]
@@ -591,7 +606,7 @@ class _Run:
         if self.share:  # the prefill is dispatched: its prompt pages may be shared
             for unit, _ in units:
                 full = len(unit.prompt) // self.ps
-                self.cache.insert(self.key, unit.prompt[:full * self.ps],
+                self.cache.insert(self.key, self._packed(unit.group, unit.prompt),
                                   unit.rows[0].pages[:full])
 
     def decode(self) -> None:
@@ -627,15 +642,15 @@ class _Run:
         row = self.slots[slot]
         single = len(row.kv_now) == 1  # not mixed ("keep" after an update)
         version = next(iter(row.kv_now)) if single else None
-        if self.share and single and \
-                version >= self.weights.version - self.engine.max_policy_lag:
-            seq = scheduler.written_tokens(row)
-            full = len(seq) // self.ps
-            self.cache.insert(self.engine._cache_key(version), seq[:full * self.ps],
-                              row.pages[:full])
         self.slots[slot] = None
         self.finished[row.index] = row
-        self.cache.release(row.pages)
+        if self.share and single and \
+                version >= self.weights.version - self.engine.max_policy_lag:
+            written = self.packed[row.group].extend(scheduler.written_outputs(row))
+            self.cache.insert(self.engine._cache_key(version), written,
+                              row.pages[:written.num_tokens // self.ps], release=row.pages)
+        else:
+            self.cache.release(row.pages)
 
     def samples(self) -> list[Sample]:
         out = []

@@ -231,6 +231,6 @@ def keep_tokens(row: Row, n: int) -> None:
         del per_token[n:]
 
 
-def written_tokens(row: Row) -> tuple:
-    """Tokens whose KV the row's pages hold: prompt + every output token but the last."""
-    return row.prompt + tuple(row.tokens[:-1])
+def written_outputs(row: Row) -> list:
+    """Outputs whose KV the row's pages hold after its prompt's: every one but the last."""
+    return row.tokens[:-1]
