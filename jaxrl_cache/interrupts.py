@@ -23,13 +23,23 @@ one sigaction to install and one to restore per Python-handled signal.
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import sys
 import threading
 from _thread import get_ident as _get_ident
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
-_getsignal, _setsignal, _main_thread = _signal.getsignal, _signal.signal, threading.main_thread
+_getsignal, _setsignal = _signal.getsignal, _signal.signal
+_main_ident = threading.main_thread().ident  # refreshed in a forked child (its only thread)
+
+
+def _after_fork() -> None:
+    global _main_ident
+    _main_ident = threading.main_thread().ident
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class _State:
@@ -88,7 +98,7 @@ class deferred_signals:
 
     def __enter__(self):
         state = _state
-        if _get_ident() != _main_thread().ident:
+        if _get_ident() != _main_ident:
             self._nested = None  # another thread: nothing to do
             return self
         if state.owner is not None:
@@ -109,7 +119,7 @@ class deferred_signals:
             raise
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
         nested = self._nested
         if nested:
             self._nested = False
@@ -126,7 +136,7 @@ class deferred_signals:
 def allow_signals(fn, *args, **kwargs):
     """Runs fn(*args, **kwargs) with signals delivered at once inside it (see module doc);
     outside a deferred section, or off the main thread, simply calls it."""
-    if _state.owner is None or threading.get_ident() != threading.main_thread().ident:
+    if _state.owner is None or _get_ident() != _main_ident:
         return fn(*args, **kwargs)
     _state.allowed = sys._getframe()
     _deliver_pending()  # a signal that arrived just before the window opens: raise now

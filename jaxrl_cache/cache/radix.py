@@ -39,6 +39,12 @@ from jaxrl_cache.versioning import as_version
 
 
 @functools.lru_cache(maxsize=4096)
+def _uint32s(n: int) -> struct.Struct:
+    """Packs n little-endian uint32s."""
+    return struct.Struct(f"<{n}I")
+
+
+@functools.lru_cache(maxsize=4096)
 def _pages_format(n: int, size: int) -> struct.Struct:
     """Splits the first n * size bytes into n bytes objects of `size` in one C call."""
     return struct.Struct(f"{size}s" * n)
@@ -51,7 +57,7 @@ def _pack(tokens: Sequence[int], name: str) -> bytes:
     if (type(tokens) in (list, tuple) and tokens
             and not isinstance(tokens[0], (bool, np.bool_))):
         try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-            data = struct.pack(f"<{len(tokens)}I", *tokens)
+            data = _uint32s(len(tokens)).pack(*tokens)
         except Exception:  # the numpy path below names what is wrong
             data = b"\xff" * 4
         if data[3::4].isascii():
