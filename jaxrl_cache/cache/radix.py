@@ -35,7 +35,7 @@ from jaxrl_cache.cache.page_pool import PagePool, as_page_ids, as_page_list
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
-from jaxrl_cache.versioning import as_version
+from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 
 @functools.lru_cache(maxsize=4096)
@@ -54,8 +54,7 @@ def _pack(tokens: Sequence[int], name: str) -> bytes:
     """int32 little-endian bytes of token ids, each an integer in [0, 2**31): one C-level
     pass for a list or tuple of ints, numpy for the rest (which also names what is wrong; a
     sequence of bools is refused, as numpy types it bool)."""
-    if (type(tokens) in (list, tuple) and tokens
-            and not isinstance(tokens[0], (bool, np.bool_))):
+    if type(tokens) in (list, tuple) and tokens and type(tokens[0]) is int:
         try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
             data = _uint32s(len(tokens)).pack(*tokens)
         except Exception:  # the numpy path below names what is wrong
@@ -137,6 +136,9 @@ class Match(NamedTuple):
     num_tokens: int  # n * page_size
 
 
+_NO_MATCH = Match(_NO_PAGES, 0)
+
+
 class Lease:
     """The page references one caller holds. Cache calls given a lease add what they hand out
     to it in the same atomic step; `RadixCache.release(lease)` returns them all and empties it
@@ -210,7 +212,7 @@ class RadixCache:
         # stands for one reference to every page from the root down to that page
         self._pins: dict[int, int] = {}
         self._pin_epoch = 0  # bumped by every flush of the pins into the refcounts
-        self._chains: dict[int, np.ndarray] = {}  # see _chain
+        self._matches: dict[int, Match] = {}  # see _match_of
 
     # ---------------------------------------------------------------- allocation
     @property
@@ -221,7 +223,9 @@ class RadixCache:
     def peek(self, version: int, tokens: Sequence[int] | PackedTokens) -> int:
         """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
         (no pin, no lookup counted, no LRU stamp)."""
-        return self._walk(as_version(version), self._token_bytes(tokens)[0])[1]
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
+            version = as_version(version)
+        return self._walk(version, self._token_bytes(tokens)[0])[1]
 
     @property
     def num_evictable(self) -> int:
@@ -251,7 +255,8 @@ class RadixCache:
         """`match` of each prefix plus `alloc(n_fresh)` as one step: returns (matches, fresh
         pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
         raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
-        version = as_version(version)
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
+            version = as_version(version)
         if type(prefixes) not in (list, tuple) and (
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
@@ -270,10 +275,10 @@ class RadixCache:
         walks = [self._walk(version, d) for d in data]
         matches, lasts, hit_tokens = [], [], 0
         for path, n, start in walks:
-            chain, last = self._chain(path, n, start)
-            matches.append(Match(chain, n * self.page_size))
+            match, last = self._match_of(path, n, start)
+            matches.append(match)
             lasts.append(last)
-            hit_tokens += n * self.page_size
+            hit_tokens += match.num_tokens
         if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
             pinned = np.concatenate([m.pages for m in matches] + [_NO_PAGES])
             evictable = self._evictable()
@@ -291,7 +296,9 @@ class RadixCache:
                 if path:
                     if i:  # an earlier prefix may have split a node of this path
                         path, n, start = self._walk(version, data[i])
-                    if self._split(path[-1], n - start // self._page_bytes):
+                    keep = n - start // self._page_bytes
+                    if keep < len(path[-1].pages):  # the walk ends inside its last node
+                        self._split(path[-1], keep)
                         self._still_walked(data[i])
                     for node in path:
                         node.last_access = now
@@ -419,7 +426,7 @@ class RadixCache:
                                         parent))
         pages = np.asarray(evicted, np.int32)
         self._epoch += 1
-        self._chains.clear()
+        self._matches.clear()
         self._in_trie[pages] = False
         self.pool._decref(pages, 1)
         self._counters["evicted_pages"] += len(evicted)
@@ -503,19 +510,20 @@ class RadixCache:
         if last[0] is data:
             self._last_walk = (data, last[1], self._epoch) + last[3:]
 
-    def _chain(self, path: list[_Node], n: int, start: int) -> tuple[np.ndarray, int]:
-        """(int32 [n] (read-only) the pages of a walk (see `_walk`), its last page or 0).
-        Memoised by last page: a trie page's chain of ancestors changes only when pages leave
-        the trie (eviction, invalidation, reconcile), which empties the memo."""
+    def _match_of(self, path: list[_Node], n: int, start: int) -> tuple[Match, int]:
+        """(the Match of a walk (see `_walk`), its last page or 0). Memoised by last page: a
+        trie page's chain of ancestors changes only when pages leave the trie (eviction,
+        invalidation, reconcile), which empties the memo; a Match is immutable."""
         if not n:
-            return _NO_PAGES, 0
+            return _NO_MATCH, 0
         last = path[-1].pages[n - start // self._page_bytes - 1]
-        chain = self._chains.get(last)
-        if chain is None:
-            if len(self._chains) >= 4096:
-                self._chains.clear()
-            chain = self._chains[last] = _readonly(np.array(self._path_to(last), np.int32))
-        return chain, last
+        match = self._matches.get(last)
+        if match is None:
+            if len(self._matches) >= 4096:
+                self._matches.clear()
+            chain = _readonly(np.array(self._path_to(last), np.int32))
+            match = self._matches[last] = Match(chain, n * self.page_size)
+        return match, last
 
     def _split(self, node: _Node, keep: int) -> bool:
         """(Inside a commit.) Cuts the last node of a walk after its first `keep` pages (the
@@ -559,7 +567,8 @@ class RadixCache:
         request finishing: cache its pages, let go of them); if it holds a page that is not
         held, raises with nothing inserted.
         """
-        version = as_version(version)
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
+            version = as_version(version)
         data = self._token_bytes(tokens)[0]
         size = self._page_bytes
         full = len(data) // size
@@ -595,7 +604,10 @@ class RadixCache:
                 self._roots[version] = _Node(b"", [], None, version, 0)
                 self._nodes[version] = {}
             now = next(self._clock)
-            cut = path and self._split(path[-1], n - start // size)
+            keep = n - start // size  # pages of the walk's last node it covers
+            cut = path and keep < len(path[-1].pages)
+            if cut:
+                self._split(path[-1], keep)
             for node in path:
                 node.last_access = now
             if new_pages:
@@ -648,7 +660,7 @@ class RadixCache:
         with deferred_signals():
             self._flush_pins()  # pinned pages that leave the trie stay with their holders
             self._epoch += 1
-            self._chains.clear()
+            self._matches.clear()
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
@@ -667,7 +679,7 @@ class RadixCache:
         keep = {as_version(v, "keep_versions") for v in keep_versions}
         with deferred_signals():
             self._epoch += 1
-            self._chains.clear()
+            self._matches.clear()
             for v in [v for v in self._roots if v not in keep]:
                 for page in self._nodes[v]:
                     self._in_trie[page] = False
