@@ -3,18 +3,27 @@ and the invalidation ack path.
 
 The trace (`grpo_trace`): 64 prompts x 8 samples, 512-token prompts sharing a 256-token
 system prefix, 64 output tokens per sample, page 16, run at 2 versions (the second trie is
-built while the first is still cached). Per sample, as the engine does: match the prompt
-(pinning it), then insert prompt + output, then let go. One op = one match or one insert.
-Each flow runs twice: every cache call in a signal-deferring section of its own (a caller
-outside the engine), and each rollout call inside one section as the engine runs it
-(`RolloutEngine._serialized`), where the cache's sections nest and swap no handler.
+built while the first is still cached). One op = one match or one insert; the token tuples
+are converted inside the timed flows (sglang-jax: `list(...)` per call; ours: each prompt
+packed once and each sequence extending it by its output, as the engine keys a row).
+
+Flows (`run_ours`, `run_ours_units`, `run_theirs`):
+- per sample (ours): peek (pages to plan), acquire with a Lease (the matched path is one
+  pin, plus fresh pages), insert of prompt + output releasing the lease;
+- engine units (ours): as RolloutEngine admits a GRPO group: one peek + acquire for the
+  group's rows, prompt pages shared by the rows, the prompt inserted after its prefill,
+  then per row an insert releasing its pages (still 2 ops counted per sample);
+- sglang-jax per sample: match_prefix + inc_lock_ref, insert + dec_lock_ref.
+Ours runs twice: each cache call in a signal-deferring section of its own (a caller outside
+the engine: two sigaction syscalls per call), and each rollout call inside one section as
+the engine runs it (`RolloutEngine._serialized`), where the cache's sections nest.
 
 sglang-jax is never vendored: its `radix_cache.py` (and `base_prefix_cache.py`, which it
 imports) is loaded at run time from a checkout named by SGLANG_JAX_SRC (the repository root
 or its `python/` folder); its other imports are stubbed. Without it those benchmarks skip.
 
-Script: `python -m benchmarks.test_bench_radix [--json PATH]` prints ops/s of both and the
-ratio (and writes them to PATH).
+Script: `python -m benchmarks.test_bench_radix [--rounds N] [--json PATH]` prints ops/s of
+every flow and the ratios (and writes them to PATH).
 """
 from __future__ import annotations
 
@@ -74,8 +83,8 @@ def packed(trace):
 
 
 def run_ours(trace, engine_lock=False):
-    """Per sample: peek (pages to plan), acquire (match + fresh pages, held by a lease),
-    insert releasing the lease; one rollout call per version. Token packing is timed too."""
+    """Per sample: peek, acquire with a lease, insert releasing it (see module); one rollout
+    call per version."""
     cache = RadixCache(8192, PAGE)
 
     def call(version):
@@ -267,7 +276,10 @@ def main(argv=None) -> int:
             date=time.strftime("%Y-%m-%d", time.gmtime()),
             machine=f"{os.cpu_count()}-core {platform.processor() or platform.machine()} "
                     f"(CPU), Python {platform.python_version()}",
-            command="SGLANG_JAX_SRC=<sglang-jax checkout> python -m benchmarks.test_bench_radix",
+            command="SGLANG_JAX_SRC=<sglang-jax checkout> python -m benchmarks.test_bench_radix "
+                    f"--rounds {args.rounds}",
+            load_average_1_5_15_min=os.getloadavg(),
+            timing=f"best of {args.rounds} rounds of CPU time per flow, flows interleaved",
             trace=dict(prompts=64, group=8, prompt_tokens=512, shared_prefix_tokens=256,
                        output_tokens=64, page_size=PAGE, versions=len(VERSIONS), ops=ops),
             ours_ops_per_s=ours, ours_engine_units_ops_per_s=units,

@@ -514,8 +514,8 @@ class _Run:
         unit = scheduler.layout_unit(g, prompt, g * self.sampling.n + j, matched, fresh, m,
                                      n_new, self.ps)
         prefix = unit.rows[0].pages[:len(prompt) // self.ps]
-        for _ in range(m - 1):  # every row holds one reference to each of its prefix pages
-            self.cache.pool.incref(prefix)
+        if m > 1:  # every row holds one reference to each of its prefix pages
+            self.cache.pool.incref(np.tile(prefix, m - 1))
         for row in unit.rows:
             row.kv_now, row.kv_versions = {self.weights.version}, {self.weights.version}
         if self.share:
