@@ -525,12 +525,10 @@ class RadixCache:
             match = self._matches[last] = Match(chain, n * self.page_size)
         return match, last
 
-    def _split(self, node: _Node, keep: int) -> bool:
+    def _split(self, node: _Node, keep: int) -> None:
         """(Inside a commit.) Cuts the last node of a walk after its first `keep` pages (the
-        walk's): its other pages become its only child, inheriting its children. The trie's
-        meaning is unchanged. Returns whether it cut."""
-        if keep >= len(node.pages):
-            return False
+        walk's; fewer than it holds): its other pages become its only child, inheriting its
+        children. The trie's meaning is unchanged."""
         self._epoch += 1
         cut = keep * self._page_bytes
         tail = _Node(node.key[cut:], node.pages[keep:], node, node.version, node.last_access)
@@ -542,7 +540,6 @@ class RadixCache:
         nodes = self._nodes[node.version]
         for page in tail.pages:
             nodes[page] = tail
-        return True
 
     def match(self, version: int, tokens: Sequence[int] | PackedTokens, *,
               lease: Lease | None = None) -> Match:
