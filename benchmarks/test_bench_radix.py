@@ -37,6 +37,7 @@ import types
 import numpy as np
 import pytest
 
+from benchmarks.timing import best_interleaved
 from jaxrl_cache.cache.radix import Lease, PackedTokens, RadixCache
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 
@@ -231,17 +232,6 @@ def test_invalidate_2048_pages(benchmark):
 
 
 # ------------------------------------------------------------------ script
-def _best_of(runs, rounds):
-    """{name: best CPU seconds}, the runs interleaved so load shifts hit all alike."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            t0 = time.process_time()
-            fn()
-            best[name] = min(best[name], time.process_time() - t0)
-    return best
-
-
 def main(argv=None) -> int:
     import argparse
     import json
@@ -257,7 +247,7 @@ def main(argv=None) -> int:
             "ours_units_lock": lambda: run_ours_units(trace, engine_lock=True)}
     if rc is not None:
         runs["theirs"] = lambda: run_theirs(rc, trace)
-    best = _best_of(runs, args.rounds)
+    best = best_interleaved(runs, args.rounds, clock=time.process_time)
     ours, units = ops / best["ours"], ops / best["ours_units"]
     ours_lock, units_lock = ops / best["ours_lock"], ops / best["ours_units_lock"]
     theirs = ops / best["theirs"] if rc else None

@@ -5,3 +5,14 @@ from kernels_pallas._common import next_power_of_2
 def bucket(n: int, step: int) -> int:
     """Powers of two up to `step`, then multiples of `step`."""
     return next_power_of_2(n) if n <= step else -(-n // step) * step
+
+
+def page_width_bucket(n: int) -> int:
+    """Page-table widths: powers of two up to 8, then the next number with three significant
+    bits (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): as many buckets per doubling as multiples
+    of 8 give up to 32 pages, fewer above, and at most ~25% padding (attention reads every
+    page of the width)."""
+    if n <= 8:
+        return next_power_of_2(n)
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step

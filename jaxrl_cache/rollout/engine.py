@@ -37,7 +37,7 @@ from jaxrl_cache.rollout import core, scheduler, text
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, RolloutBatch, Sample, SchedulerConfig,
                                        WeightAck)
-from jaxrl_cache.shapes import bucket
+from jaxrl_cache.shapes import page_width_bucket
 from jaxrl_cache.versioning import as_version
 from kernels_pallas._common import next_power_of_2, resolve_backend
 
@@ -410,8 +410,8 @@ class _Run:
         self.prompts = prompts
         # each prompt packed once for the cache; a sample's sequences extend it (_packed)
         self.packed = [PackedTokens.of(p) for p in prompts] if self.share else None
-        self.width = bucket(max(scheduler.row_pages(len(p), sampling.max_new_tokens, self.ps)
-                                for p in prompts), 8)
+        self.width = page_width_bucket(max(
+            scheduler.row_pages(len(p), sampling.max_new_tokens, self.ps) for p in prompts))
         self.finished: dict[int, scheduler.Row] = {}
         self.computed = self.steps = self.chunks = self.prefills = 0
         self.recomputed = 0  # context tokens re-prefilled after weight updates
