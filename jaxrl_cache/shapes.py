@@ -9,9 +9,9 @@ def bucket(n: int, step: int) -> int:
 
 def page_width_bucket(n: int) -> int:
     """Page-table widths: powers of two up to 8, then the next number with three significant
-    bits (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): as many buckets per doubling as multiples
-    of 8 give up to 32 pages, fewer above, and at most ~25% padding (attention reads every
-    page of the width)."""
+    bits (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four buckets per doubling above 8 (so
+    more than multiples of 8 give below 32 pages, fewer above 64) and under 25% padding
+    beyond 8 pages, where attention reads every page of the width."""
     if n <= 8:
         return next_power_of_2(n)
     step = 1 << (n.bit_length() - 3)

@@ -462,6 +462,9 @@ def test_insert_releasing_equals_insert_then_release_and_changes_nothing_on_erro
     with pytest.raises(ValueError, match="not held"):
         cache.insert(0, [3] * 8, held, release=unheld)
     assert state(cache) == before and cache.peek(0, [3] * 8) == 0
+    with pytest.raises(TypeError, match="release"):
+        cache.insert(0, [3] * 8, held, release="all")
+    assert state(cache) == before
     cache.insert(0, [3] * 8, held, release=held)
     assert cache.peek(0, [3] * 8) == 2 and cache.stats().in_use_pages == 0
     cache.check_invariants()

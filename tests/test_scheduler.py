@@ -1,9 +1,11 @@
 """Scheduler host functions, without a model: page planning, packing, chunk bookkeeping."""
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from jaxrl_cache.rollout import scheduler
 from jaxrl_cache.rollout.scheduler import Row
+from jaxrl_cache.shapes import page_width_bucket
 
 PS = 4
 
@@ -16,6 +18,21 @@ PS = 4
 ])
 def test_row_pages(prompt_len, max_new, want):
     assert scheduler.row_pages(prompt_len, max_new, PS) == want
+
+
+@given(st.integers(1, 1 << 20))
+def test_page_width_bucket_holds_the_row_with_bounded_padding(n):
+    """The engine's table width: never smaller than the row, a fixed point (a width is its
+    own bucket), monotone, under 25% padding past 8 pages, with at most three significant
+    bits (so at most four widths per doubling)."""
+    width = page_width_bucket(n)
+    assert width >= n and page_width_bucket(width) == width
+    assert page_width_bucket(n + 1) >= width
+    if n > 8:
+        assert (width - n) / n < 0.25
+        assert width >> (width.bit_length() - 3) << (width.bit_length() - 3) == width
+    else:
+        assert width in (1, 2, 4, 8)
 
 
 def _brute_force_need(prompt_len, cached, rows, max_new):

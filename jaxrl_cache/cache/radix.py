@@ -5,8 +5,10 @@ nodes each own one physical page of KV computed by that version's params. A look
 version v walks only v's trie, so it can never return a page written under another version.
 
 Ownership: the trie holds one reference to each of its pages, every request one reference to
-each page it uses. A trie page with refcount 1 is "cached" (evictable); a page with refcount 0
-is free; every other page is "in use". Always: free + cached + in use == num_pages - 1.
+each page it uses (a request holding a Lease holds its matched path as one pin instead;
+`page_refcounts()` counts pins as references). A trie page with one reference is "cached"
+(evictable); a page with none is free; every other page is "in use". Always: free + cached +
+in use == num_pages - 1.
 A request pins the whole path it matched. `insert` may hang a request's pages below cached
 nodes the request does not hold (it continues past a duplicate prefix); such an ancestor
 cannot be evicted while a page below it is pinned, so `num_evictable` (what `alloc` may
@@ -327,12 +329,12 @@ class RadixCache:
         with deferred_signals():
             self._apply_release(*plan)
 
-    def _plan_release(self, pages: np.ndarray | Lease) -> tuple:
+    def _plan_release(self, pages: np.ndarray | Lease, name: str = "pages") -> tuple:
         """(lease or None, page sequences to drop a reference from, {last page: pins to
         drop}); checks the pins (the pages are checked as they are dropped)."""
         unpin = {}  # last page -> pins to drop
         if not isinstance(pages, Lease):
-            return None, (as_page_list(pages, self.pool.num_pages),), unpin
+            return None, (as_page_list(pages, self.pool.num_pages, name),), unpin
         lease, parts = pages, pages._parts
         for cache, last, epoch in lease._pins:
             if cache is not self:
@@ -586,11 +588,11 @@ class RadixCache:
                                      f"{[p for p in new_pages if ref[p] < 1]}")
                 raise ValueError(f"pages {new_pages} include one already cached under another "
                                  f"prefix or listed twice")
-        plan = None if release is None else self._plan_release(release)
+        plan = None if release is None else self._plan_release(release, "release")
         with deferred_signals():
-            if plan is not None:  # the trie's references first: a release never frees them
-                for page in new_pages:
-                    ref[page] += 1
+            for page in new_pages:  # the trie's references first: a release never frees them
+                ref[page] += 1
+            if plan is not None:
                 try:
                     self._apply_release(*plan)
                 except ValueError:
@@ -619,9 +621,6 @@ class RadixCache:
                     trie[page] = 1
                     parents[page] = above
                     above = page
-                if plan is None:
-                    for page in new_pages:
-                        ref[page] += 1
                 self._counters["inserted_pages"] += len(new_pages)
                 # the walk of data now ends at the new node (kept for the next walk)
                 self._last_walk = (data, version, self._epoch, path + [child], full, n * size)
