@@ -243,3 +243,89 @@ def test_ctrl_c_between_chunks_leaves_a_clean_engine(policy):
                            rng=jax.random.key(0))
     assert all((s.token_versions == 1).all() for s in batch.samples)
     assert_clean(engine)
+
+
+def _failing_decode(monkeypatch, at):
+    """core.decode_chunk raising on its `at`-th call."""
+    from jaxrl_cache.rollout import core
+    real, calls = core.decode_chunk, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "decode_chunk", failing)
+    return lambda: monkeypatch.setattr(core, "decode_chunk", real)
+
+
+BAD_REQUESTS = {  # how a call at a newer version fails after it started
+    "decode_fault": lambda mp: (_failing_decode(mp, 2),
+                                SamplingParams(n=2, max_new_tokens=20)),
+    "huge_top_k": lambda mp: (lambda: None,
+                              lambda: SamplingParams(n=2, max_new_tokens=8, top_k=2**40)),
+}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+@pytest.mark.parametrize("failure", sorted(BAD_REQUESTS))
+def test_a_failed_call_at_a_newer_version_commits_nothing(policy, failure, monkeypatch):
+    """The old version, its params and its cache entries stay; the next call reuses them."""
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=0.0)
+    engine = make_engine(policy)
+    engine.rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(0))
+    cached = engine.cache.stats().cached_pages_by_version
+    assert set(cached) == {0}
+    restore, bad = BAD_REQUESTS[failure](monkeypatch)
+    with pytest.raises((RuntimeError, OverflowError, ValueError)):
+        engine.rollout(PARAMS[1], 1, PROMPTS, bad() if callable(bad) else bad,
+                       rng=jax.random.key(1))
+    restore()
+    assert engine.version == 0  # old code: synced to 1 before generating, kept after
+    assert engine.cache.stats().cached_pages_by_version == cached
+    assert_clean(engine)
+    again = engine.rollout(PARAMS[0], 0, PROMPTS, sampling, rng=jax.random.key(0))
+    assert again.cached_tokens > 0
+    ack = engine.sync_weights(PARAMS[1], 1)  # version 1 is still new to the engine
+    assert ack.previous_version == 0 and ack.dropped_versions == (0,)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_a_call_at_a_newer_version_commits_it_once_it_succeeded(policy):
+    sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+    engine = make_engine(policy)
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    assert engine.version == 1 and batch.sync_ack.version == 1
+    assert batch.sync_ack.previous_version == 0
+    assert all((s.token_versions == 1).all() for s in batch.samples)
+    for s in batch.samples:
+        np.testing.assert_allclose(s.output_logprobs, per_token_logprobs(s, sampling),
+                                   atol=2e-3)
+    assert engine.cache.versions() == [1]  # its own entries survive the commit
+    again = engine.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    assert again.cached_tokens > 0
+    assert_clean(engine)
+
+
+def test_a_sync_during_a_newer_call_supersedes_its_version():
+    """Staged at 1, a sync to 2 lands mid-call: committed at once, the call switches to it
+    and does not commit 1 afterwards (versions never go backwards)."""
+    sampling = SamplingParams(n=2, max_new_tokens=14, temperature=0.0)
+    engine = make_engine("recompute", updates={2: 2})
+    batch = engine.rollout(PARAMS[1], 1, PROMPTS, sampling, rng=jax.random.key(0))
+    assert engine.version == 2 and batch.sync_ack is None and batch.weight_updates == 1
+    for s in batch.samples:
+        assert s.token_versions[0] == 1 and s.token_versions[-1] == 2
+        np.testing.assert_allclose(s.output_logprobs, per_token_logprobs(s, sampling),
+                                   atol=2e-3)
+    assert_clean(engine)
+
+
+def test_the_engine_policy_lag_is_bounded():
+    from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        RolloutEngine(CONFIG, max_policy_lag=MAX_POLICY_LAG + 1)
+    small = CacheConfig(num_pages=8, page_size=4)
+    assert RolloutEngine(CONFIG, small, max_policy_lag=MAX_POLICY_LAG).max_policy_lag == \
+        MAX_POLICY_LAG

@@ -1,13 +1,21 @@
 """RolloutWorker + SampleBuffer: continuous generation at the latest version, bounded
-staleness, every call delivered exactly once, failures surfaced to the trainer."""
+staleness, every call delivered exactly once, failures surfaced to the trainer; the worker
+never spins behind the engine, `get` takes all or nothing within one deadline, resumed
+workers continue the call numbering."""
+import collections
 import threading
+import time
+import types
 
 import jax
 import numpy as np
 import pytest
 
 from jaxrl_cache import (CacheConfig, Produced, RolloutBatch, RolloutEngine, RolloutWorker,
-                         Sample, SampleBuffer, SamplingParams, SchedulerConfig, StalenessError)
+                         Sample, SampleBuffer, SamplingParams, SchedulerConfig, StalenessError,
+                         audit_attribution)
+from jaxrl_cache.rollout import worker as worker_module
+from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
 from tests.helpers import CONFIG, scale_matrices, varied_params
 
 SAMPLING = SamplingParams(n=2, max_new_tokens=8, temperature=1.0)
@@ -52,6 +60,7 @@ def test_buffer_drops_or_refuses_calls_beyond_the_lag():
     strict.put(fake(0, [[3, 4]]))
     with pytest.raises(StalenessError, match="lags the trainer"):
         strict.get(1, trainer_version=4)
+    assert [p.call for p in strict.drain()] == [0]  # refused, not taken
     with pytest.raises(TimeoutError):
         strict.get(1, trainer_version=4, timeout=0.01)
 
@@ -116,3 +125,202 @@ def test_worker_needs_an_asynchronous_engine():
     with pytest.raises(ValueError, match="kv_policy"):
         RolloutWorker(engine("wait"), source, SAMPLING, SampleBuffer(1, 0),
                       rng=jax.random.key(0))
+
+
+class Hooked:
+    """A prompt source that reports each call it is asked for (`asked[c]` is set)."""
+
+    def __init__(self):
+        self.asked = collections.defaultdict(threading.Event)
+
+    def __call__(self, call):
+        self.asked[call].set()
+        return source(call)
+
+
+def wait_until(predicate, seconds=120):
+    for _ in range(int(seconds * 100)):
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def started():
+    """An engine at version 0 (PARAMS[0]) and a worker that filled its one-call buffer with
+    call 0 and now waits for a place (idle)."""
+    eng, hook = engine(), Hooked()
+    buf = SampleBuffer(1, max_policy_lag=4)
+    worker = RolloutWorker(eng, hook, SAMPLING, buf, rng=jax.random.key(0))
+    worker.start(PARAMS[0], 0)
+    wait_until(lambda: buf.metrics()["produced"] == 1)
+    return eng, buf, worker, hook
+
+
+PARAMS = [params_at(v) for v in range(4)]
+
+
+def assert_own_version(item, version):
+    """Every token of the call is of `version` and reproduces under its params."""
+    assert item.batch.version == version
+    assert all((s.token_versions == version).all() for s in item.batch.samples)
+    assert audit_attribution(item.batch, dict(enumerate(PARAMS)), CONFIG).ok
+
+
+def test_a_worker_behind_a_directly_synced_engine_waits_and_stops():
+    """The trainer syncs the engine itself: the worker's version is refused and it holds no
+    params for the engine's; it must wait (not retry forever) and honour stop."""
+    eng, buf, worker, hook = started()
+    eng.sync_weights(PARAMS[1], 1)  # not through the worker
+    assert [p.call for p in buf.get(1, 1, timeout=120)] == [0]  # frees the place
+    assert hook.asked[1].wait(120)  # call 1 starts at version 0: refused
+    worker.stop(timeout=60)  # old code: retried forever and never looked at the flag
+    assert worker.calls == 1 and buf.metrics()["produced"] == 1
+
+
+def test_a_worker_behind_the_engine_resumes_at_the_next_publish():
+    eng, buf, worker, hook = started()
+    eng.sync_weights(PARAMS[1], 1)
+    buf.get(1, 1, timeout=120)
+    assert hook.asked[1].wait(120)
+    worker.publish(PARAMS[2], 2)
+    item, = buf.get(1, 2, timeout=120)
+    assert item.call == 1
+    assert_own_version(item, 2)
+    worker.stop(timeout=60)
+
+
+def test_ctrl_c_after_the_engine_committed_a_publish_does_not_wedge_the_worker(monkeypatch):
+    """The deferred SIGINT surfaces right after the engine's sync committed, before the
+    worker records the version: the worker adopts the engine's version (it holds its
+    params) for its next call."""
+    eng, buf, worker, hook = started()
+    real = eng.sync_weights
+
+    def committed_then_interrupted(params, version):
+        real(params, version)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eng, "sync_weights", committed_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.publish(PARAMS[1], 1)
+    assert eng.version == 1
+    assert [p.call for p in buf.get(1, 1, timeout=120)] == [0]
+    item, = buf.get(1, 1, timeout=120)  # old code: call 1 retried version 0 forever
+    assert item.call == 1
+    assert_own_version(item, 1)
+    worker.stop(timeout=60)
+
+
+def test_a_resumed_worker_continues_the_call_numbering():
+    eng = engine()
+    buf = SampleBuffer(1, max_policy_lag=0)
+    worker = RolloutWorker(eng, source, SAMPLING, buf, rng=jax.random.key(5))
+    worker.start(PARAMS[0], 0, first_call=6)
+    item, = buf.get(1, 0, timeout=120)
+    worker.stop(timeout=60)
+    # reference: call 6 of a run from call 0 (its prompts and its key)
+    prompts, meta = source(6)
+    alone = engine()
+    ref = alone.rollout(PARAMS[0], 0, prompts, SAMPLING,
+                        rng=jax.random.fold_in(jax.random.key(5), 6))
+    assert item.call == 6 and item.meta == meta
+    assert [s.output_ids for s in item.batch.samples] == [s.output_ids for s in ref.samples]
+    with pytest.raises(ValueError, match="first_call"):
+        RolloutWorker(engine(), source, SAMPLING, SampleBuffer(1, 0),
+                      rng=jax.random.key(0)).start(PARAMS[0], 0, first_call=-1)
+
+
+def test_the_async_demo_resumes_at_the_call_its_version_reached():
+    """demo --async --resume: the worker's first call is start_version * rollout_calls."""
+    from jaxrl_cache.app.demo import _AsyncRollouts
+    asked = []
+
+    def prompts_of(call):
+        asked.append(call)
+        return source(call)
+
+    opts = types.SimpleNamespace(rollout_calls=2, max_policy_lag=1)
+    state = types.SimpleNamespace(params=PARAMS[0], version=3)
+    eng = RolloutEngine(CONFIG, CacheConfig(num_pages=64, page_size=4),
+                        scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=2),
+                        backend="xla", kv_policy="recompute", max_policy_lag=1, version=3)
+    rollouts = _AsyncRollouts(opts, eng, SAMPLING, prompts_of, jax.random.key(0), state)
+    got = rollouts.get(3, state)
+    rollouts.close()
+    assert [meta for meta, _ in got] == [6, 7] and asked[:2] == [6, 7]
+
+
+def test_get_keeps_every_call_when_it_raises():
+    for close in (lambda b: None, lambda b: b.close(), lambda b: b.close(KeyError("broke"))):
+        buf = SampleBuffer(4, max_policy_lag=1)
+        buf.put(fake(0, [[2, 2]]))
+        close(buf)
+        with pytest.raises((TimeoutError, RuntimeError)):
+            buf.get(2, trainer_version=2, timeout=0.01)
+        assert buf.metrics()["consumed"] == 0 and buf.metrics()["staleness"] == {}
+        assert [p.call for p in buf.drain()] == [0]  # old code: popped, then lost
+    strict = SampleBuffer(4, max_policy_lag=0, on_stale="raise")
+    strict.put(fake(0, [[4]]))
+    strict.put(fake(1, [[3]]))
+    with pytest.raises(StalenessError, match="call 1"):
+        strict.get(2, trainer_version=4)
+    assert [p.call for p in strict.drain()] == [0, 1]
+
+
+def test_get_drops_stale_calls_while_it_waits():
+    """Stale calls free their places (the worker can refill) even if get then times out."""
+    buf = SampleBuffer(2, max_policy_lag=0)
+    buf.put(fake(0, [[0]]))
+    buf.put(fake(1, [[3]]))
+    with pytest.raises(TimeoutError):
+        buf.get(2, trainer_version=3, timeout=0.01)
+    m = buf.metrics()
+    assert m["dropped_calls"] == 1 and m["buffered"] == 1 and buf.reserve()
+
+
+class FakeClock:
+    """worker.time stand-in: monotonic() is advanced by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_get_timeout_bounds_the_whole_call(monkeypatch):
+    """A stale call arrives each (fake) second; timeout 2.5 s: get gives up at the third,
+    however often it was woken (old code restarted the timeout on every wake-up)."""
+    clock = FakeClock()
+    monkeypatch.setattr(worker_module, "time", clock)
+    buf = SampleBuffer(4, max_policy_lag=0)
+    outcome = []
+    getter = threading.Thread(target=lambda: outcome.append(
+        _raised(lambda: buf.get(1, trainer_version=9, timeout=2.5))))
+    getter.start()
+    for i in range(20):
+        clock.now += 1.0
+        buf.put(fake(i, [[0]]))  # stale: dropped by the waiting get
+        for _ in range(5000):  # until get has looked at it, or gave up
+            if buf.metrics()["buffered"] == 0 or not getter.is_alive():
+                break
+            time.sleep(0.001)
+        if not getter.is_alive():
+            break
+    getter.join(30)
+    assert outcome == [TimeoutError] and i == 2
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e)
+    return None
+
+
+def test_the_policy_lag_is_bounded():
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        SampleBuffer(1, max_policy_lag=MAX_POLICY_LAG + 1)
+    assert SampleBuffer(1, max_policy_lag=MAX_POLICY_LAG).max_policy_lag == MAX_POLICY_LAG

@@ -337,7 +337,10 @@ class _SyncRollouts:
 
 class _AsyncRollouts:
     """A RolloutWorker generates the next calls while the trainer trains; weight updates
-    land between decode chunks (engine kv_policy); calls beyond the lag are dropped."""
+    land between decode chunks (engine kv_policy); calls beyond the lag are dropped. A
+    resumed run's worker starts at call start_version * rollout_calls: the prompts and rng
+    keys the original run's worker used there."""
+    STOP_TIMEOUT_S = 120.0  # close(): the longest wait for the call in flight
 
     def __init__(self, opts: DemoOptions, engine, sampling, prompts_of, seed_key, state):
         from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
@@ -345,7 +348,8 @@ class _AsyncRollouts:
         self.buffer = SampleBuffer(opts.rollout_calls, opts.max_policy_lag)
         self.worker = RolloutWorker(engine, prompts_of, sampling, self.buffer,
                                     rng=jax.random.fold_in(seed_key, 2**31 - 1))
-        self.worker.start(state.params, state.version)
+        self.worker.start(state.params, state.version,
+                          first_call=int(state.version) * opts.rollout_calls)
 
     def get(self, step: int, state) -> list[tuple[list, object]]:
         items = self.buffer.get(self.opts.rollout_calls, int(state.version))
@@ -355,7 +359,12 @@ class _AsyncRollouts:
         return self.worker.publish(state.params, state.version)
 
     def close(self) -> dict:
-        self.worker.stop()
+        """Stops the worker; a call still in flight after STOP_TIMEOUT_S is left to its
+        daemon thread (one line says so) so that the final save still runs."""
+        try:
+            self.worker.stop(timeout=self.STOP_TIMEOUT_S)
+        except TimeoutError as e:
+            tqdm.write(f"{e}; leaving it to exit with the process")
         self.buffer.drain()  # generated ahead for steps that will not run
         return self.buffer.metrics()
 

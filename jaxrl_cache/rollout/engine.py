@@ -6,8 +6,14 @@ under that version only; a sync to a newer version drops every older entry befor
 acknowledges.
 
 Transactions: engine state (version, resident params) changes in one assignment, after
-everything that can fail. A rollout at a newer version generates under the new version's
-cache namespace and commits the sync only once generation succeeded. Prefix pages enter
+everything that can fail. A rollout at a newer version (either mode) stages its params
+(validated resident copy, nothing committed), generates under the new version's cache
+namespace and commits the sync in its cleanup, only once generation succeeded: a failure or
+interrupt before that leaves the old version, params and cache (the new namespace's
+entries are dropped by the reconcile). Asynchronous mode only: a sync that lands during the
+call commits then, as acknowledged, whatever the call's outcome; the call switches to it if
+it is newer than the call's version, ignores it otherwise, and its own staged version is
+committed at the end only if still newer than the engine's. Prefix pages enter
 the radix trie only after the prefill that wrote them was dispatched, so a failure can lose
 cache entries but never leave a wrong one. Between calls no request holds a page, so every
 call ends (and starts) by reconciling the pool with the trie: an interrupted call cannot
@@ -71,6 +77,7 @@ def _check_rng(rng) -> None:
 
 
 KV_POLICIES = ("wait", "recompute", "keep")
+MAX_POLICY_LAG = 1024  # a reconcile walks the window's versions: its cost is O(lag)
 
 
 class RolloutEngine:
@@ -92,14 +99,16 @@ class RolloutEngine:
             sampled over KV of another version are flagged (`Sample.mixed_tokens`).
         max_policy_lag: prefix entries of the last max_policy_lag versions before the current
         one stay cached (each reused only by requests of its own version; eviction takes the
-        oldest version first); a sync drops the versions that leave this window.
+        oldest version first); a sync drops the versions that leave this window. At most
+        MAX_POLICY_LAG (1024): every call reconciles the cache against the window.
         tokenizer: the model's (models.load_tokenizer): prompts may then be text or chat
         messages, samples carry decoded text and SamplingParams.stop works (rollout/text.py).
         """
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         self.kv_policy = kv_policy
-        self.max_policy_lag = as_count(max_policy_lag, "max_policy_lag")
+        self.max_policy_lag = as_count(max_policy_lag, "max_policy_lag",
+                                       maximum=MAX_POLICY_LAG)
         if not isinstance(model_config, ModelConfig):
             raise TypeError(f"model_config must be a ModelConfig, got "
                             f"{type(model_config).__name__}")
@@ -270,8 +279,9 @@ class RolloutEngine:
         """Generates sampling.n samples per prompt with the params of `version`.
 
         Any number of prompts: the scheduler queues what does not fit the pool or the decode
-        slots. A newer version is synced first, but committed only if generation succeeds;
-        the current version proceeds (its params must be the ones synced); an older one
+        slots. A newer version is staged first and committed only once generation succeeded
+        (see the module doc for syncs landing during an asynchronous call); the current
+        version proceeds (its params must be the ones synced); an older one
         raises VersionError. Bad input, and a single sample that can never fit the pool,
         raise before any work. Samples come back in prompt order, sample j of prompt g at
         g * n + j; the same inputs and rng give the same samples. With a tokenizer a prompt
@@ -304,29 +314,42 @@ class RolloutEngine:
 
     def _rollout_async(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
         """Asynchronous mode: the lock is taken per step (admit, prefill, one decode chunk),
-        so a sync lands between chunks; `_commit` tells the run (`_Run.on_update`)."""
+        so a sync lands between chunks; `_commit` tells the run (`_Run.on_update`). A newer
+        `version` is staged by `_start_run` and committed by `_finish_run`, which only the
+        successful path reaches."""
         start = time.perf_counter()
         with self._call_lock:
-            ack = None
-            if version > self._weights.version or self._weights.params is None:
-                ack = self.sync_weights(params, version)
-            run = self._serialized(self._start_run, params, version, prompts, sampling, rng)
+            run, staged = self._serialized(self._start_run, params, version, prompts,
+                                           sampling, rng)
             try:
                 while not run.done:
                     self._between_steps(run)
                     self._serialized(run.step)
-            finally:
+            except BaseException:
                 self._serialized(self._end_run, run)
+                raise
+            ack = self._serialized(self._finish_run, run, staged, start)
         return run.batch(start, ack)
 
-    def _start_run(self, params, version: int, prompts, sampling, rng) -> "_Run":
+    def _start_run(self, params, version: int, prompts, sampling, rng
+                   ) -> tuple["_Run", _Weights | None]:
+        """The call's run at the committed version, or at a newer one staged for it (returned
+        too; nothing committed)."""
         if self._active is not None:  # left by a call killed before its cleanup
             self._end_run(self._active)
-        if self._stage(params, version) is not None or version != self._weights.version:
-            raise VersionError(f"rollout at version {version} but the engine is at "
-                               f"{self._weights.version}; versions only move forward")
-        self._active = _Run(self, self._weights, prompts, sampling, rng)
-        return self._active
+        staged = self._stage(params, version)  # None: the committed version and params
+        self._active = _Run(self, staged or self._weights, prompts, sampling, rng)
+        return self._active, staged
+
+    def _finish_run(self, run: "_Run", staged: _Weights | None, start: float
+                    ) -> WeightAck | None:
+        """A call that succeeded: its cleanup, then the commit of the version it was staged
+        at, unless a sync during the call committed that version or a newer one (None)."""
+        self._end_run(run)
+        current = self._weights
+        if staged is None or (staged.version <= current.version and current.params is not None):
+            return None
+        return self._commit(staged, start)
 
     def _between_steps(self, run: "_Run") -> None:
         """Asynchronous mode: called between steps, outside the lock (tests override it to
@@ -441,7 +464,9 @@ class _Run:
         return not self.waiting and all(r is None for r in self.slots)
 
     def step(self) -> None:
-        self.weights = self.engine._weights if self.engine._active is self else self.weights
+        engine = self.engine
+        if engine._active is self and engine._weights.version > self.weights.version:
+            self.weights = engine._weights  # a sync during the call moved past its version
         units = self.admit()
         if units:
             self.prefill(units)
@@ -453,7 +478,10 @@ class _Run:
         """A weight sync landed between two steps (engine lock held). "recompute": every
         running row lets go of its pages and will re-prefill its context with the new params
         before its next token; returns the tokens that will be recomputed. "keep": nothing
-        to do, rows continue over their old KV (their next tokens are flagged mixed)."""
+        to do, rows continue over their old KV (their next tokens are flagged mixed). A sync
+        to a version the run is already at or past (its own staged one) does not concern it."""
+        if staged.version <= self.weights.version:
+            return 0
         self.updates += 1
         if self.engine.kv_policy != "recompute":
             return 0
