@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
-from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, _logits
+from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, lm_logits
 from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl_cache.rl.train import TrainState, make_batch, train_step
 from benchmarks.timing import timed
@@ -80,7 +80,7 @@ def _dense_decode_loop(config, steps):
                 x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
                 new_cache.append((k_all, v_all))
             key, sub = jax.random.split(key)
-            tok, _ = sample_tokens(_logits(params, config, x[:, 0]),
+            tok, _ = sample_tokens(lm_logits(params, config, x[:, 0]),
                                    jax.random.split(sub, tokens.shape[0]), 1.0, 1.0, 0)
             return tuple(new_cache), tok, pos + 1, key, out.at[:, i].set(tok)
 

@@ -1,6 +1,6 @@
 """Batch-split hints for code traced under a mesh (`jax.set_mesh`); no-ops everywhere else.
 
-`parallel.sharded_train_step` traces the train step under its data x fsdp mesh. There XLA's
+`rl.train.train_step(mesh=...)` traces the train step under its data x fsdp mesh. There XLA's
 SPMD partitioner, left alone, moves activations instead of gathering params inside the
 stacked-layer scan, and replicates `lax.top_k` (gathering whole-batch logits). These two
 helpers keep the leading (batch) dim split. Without a mesh, on one device, and inside
@@ -33,7 +33,7 @@ def split_batch(x: jax.Array) -> jax.Array:
 def per_batch_shard(f: Callable, x: jax.Array) -> jax.Array:
     """f(x) for a row-wise f ([B, ...] -> [B, ...], rows independent), run per batch shard
     under shard_map when the mesh splits B; f(x) otherwise. B must divide by the batch axes'
-    size (sharded batches do: parallel.batch_shardings)."""
+    size (packed rows do: train_step pads them to a multiple)."""
     axes = batch_axes()
     if not axes:
         return f(x)

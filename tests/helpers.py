@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models.llama import ModelConfig, forward, init_params
-from jaxrl_cache.rl.train import teacher_forced_log_probs
+from jaxrl_cache.rollout.sampling import behavior_log_probs
 
 CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
 
@@ -19,6 +19,15 @@ def scale_matrices(params, factor: float):
 def varied_params(seed: int, config: ModelConfig = CONFIG):
     """Random params scaled up so greedy decoding does not collapse to one token."""
     return scale_matrices(init_params(config, jax.random.key(seed)), 12.0)
+
+
+def teacher_forced_log_probs(params, config, tokens, temperature, top_p, top_k):
+    """The dense reference: tokens int32 [N, L] -> f32 [N, L-1], the log-prob of token t+1
+    from the full [N, L, V] logits and the sampler's own distribution (what rl.logprobs
+    computes chunked)."""
+    logp = behavior_log_probs(forward(params, config, tokens)[:, :-1], temperature, top_p,
+                              top_k)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
 _dense_forward = jax.jit(forward, static_argnums=1)

@@ -12,10 +12,10 @@ import pytest
 from jaxrl_cache.errors import StalenessError
 from jaxrl_cache.models.llama import ModelConfig, forward, init_params
 from jaxrl_cache.rl.audit import audit_attribution
-from jaxrl_cache.rl.train import TrainState, make_batch, teacher_forced_log_probs, train_step
+from jaxrl_cache.rl.train import TrainState, make_batch, train_step
 from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
-from tests.helpers import CONFIG, varied_params
+from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
 
 SP = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, top_k=16)
 PROMPTS = [[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8], [9, 7, 9, 3]]

@@ -15,8 +15,9 @@ from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.train import (TrainState, group_advantages, make_batch, optimizer_counts,
-                               policy_log_probs, train_step)
+                                  train_step)
 from tests.helpers import CONFIG, varied_params
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 10)
@@ -61,11 +62,10 @@ def test_create_at_a_given_version(state):
 
 def test_first_step_ratio_is_one_and_batch_alignment(engine, state):
     rollouts, batch = rollout_batch(engine, state)
-    assert float(batch.loss_mask.sum()) == rollouts.generated_tokens
-    logp = policy_log_probs(state.params, CONFIG, batch)
-    mask = np.asarray(batch.loss_mask) > 0
-    np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(batch.behavior_logprobs)[mask],
-                               atol=1e-4)
+    assert sum(len(b) for b in batch.behavior_logprobs) == rollouts.generated_tokens
+    for seq, p, behavior in zip(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs):
+        logp = np.asarray(next_token_log_probs(state.params, CONFIG, seq[None], SP))[0]
+        np.testing.assert_allclose(logp[p - 1:], behavior, atol=1e-4)
     _, m = train_step(state, batch)
     assert abs(float(m["ratio_mean"]) - 1) < 1e-3 and float(m["clip_fraction"]) == 0.0
 
@@ -259,40 +259,42 @@ def test_threads_rollout_while_training(engine, state):
         assert audit_attribution(b, params_by_version, CONFIG).ok
 
 
-def test_train_and_audit_compile_once_per_bucket(engine):
-    """Batch sizes N within a bucket, a re-created TrainState with equal hyperparameters and
-    a new (equal) schedule object, new lr values: one train-step and one audit compilation.
-    The decoupled correction compiles once more; new is_cap values, clip values, versions
-    and per-token version patterns (audited per version) compile nothing."""
-    from jaxrl_cache.rl import audit, train
+def test_train_and_audit_compile_once_per_shape(engine):
+    """Batches of one packed shape (8 samples of 24 tokens each, other draws), a
+    re-created TrainState with equal hyperparameters and a new (equal) schedule object, new
+    lr values: one train-step and one audit compilation. The decoupled correction compiles
+    once more; new is_cap values, clip values, versions and per-token version patterns
+    (audited per version) compile nothing."""
+    from jaxrl_cache.rl import logprobs, train
+    from jaxrl_cache.rl.train import TrainConfig, pack_batch
     state = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=SCHEDULE)
     rollouts = [engine.rollout(state.params, 0, PROMPTS[:1], SamplingParams(
-        n=n, max_new_tokens=5, temperature=1.0), rng=jax.random.key(n)) for n in (5, 6, 8)]
-    batches = [make_batch(b, [reward(s) for s in b.samples], length=64) for b in rollouts]
-    assert {b.tokens.shape for b in batches} == {(8, 64)}  # N = 5, 6, 8 share a bucket
-    state, _ = train_step(state, batches[0])
-    train_before = train._train_core._cache_size()
-    audit_before = audit._teacher_forced._cache_size()
+        n=n, max_new_tokens=5, temperature=1.0), rng=jax.random.key(k)) for k, n in enumerate((8, 8, 8))]
+    batches = [make_batch(b, [reward(s) for s in b.samples]) for b in rollouts]
+    assert len({pack_batch(b, TrainConfig(token_budget=256)).tokens.shape
+                for b in batches}) == 1
+    state, _ = train_step(state, batches[0], token_budget=256)
+    train_before = train._train_jit._cache_size()
+    audit_before = logprobs._next_token_log_probs._cache_size()
     for b in rollouts:
         assert audit_attribution(b, {0: varied_params(0)}, CONFIG).ok
     for k, batch in enumerate(batches[1:]):
         fresh = TrainState.create(state.params, config=CONFIG, version=int(state.version),
                                   lr_schedule=optax.linear_schedule(1e-2, 1e-3, 10 + k))
-        state, m = train_step(fresh, batch)
+        state, m = train_step(fresh, batch, token_budget=256)
         assert int(m["tokens"]) == sum(len(s.output_ids) for s in rollouts[k + 1].samples)
-    assert train._train_core._cache_size() == train_before
-    assert audit._teacher_forced._cache_size() - audit_before <= 1
+    assert train._train_jit._cache_size() == train_before
+    assert logprobs._next_token_log_probs._cache_size() - audit_before <= 1
     for k, batch in enumerate(batches):  # tokens after the first: version k + 1
         b = rollouts[k]
         split = [dataclasses.replace(s, token_versions=np.minimum(np.arange(
             len(s.output_ids)), 1) + k) for s in b.samples]
-        batch = make_batch(dataclasses.replace(b, samples=split),
-                           [reward(s) for s in split], length=64)
+        batch = make_batch(dataclasses.replace(b, samples=split), [reward(s) for s in split])
         state, m = train_step(state, batch, correction="decoupled", is_cap=2.0 + k,
-                              clip_eps=0.1 + 0.1 * k)
+                              clip_eps=0.1 + 0.1 * k, token_budget=256)
         assert int(m["staleness_max"]) == int(state.version) - 1 - k
         report = audit_attribution(dataclasses.replace(b, samples=split),
                                    {k: varied_params(0), k + 1: varied_params(0)}, CONFIG)
         assert report.ok and report.num_checked_tokens == b.generated_tokens
-    assert train._train_core._cache_size() == train_before + 1
-    assert audit._teacher_forced._cache_size() - audit_before <= 1
+    assert train._train_jit._cache_size() == train_before + 1
+    assert logprobs._next_token_log_probs._cache_size() - audit_before <= 1

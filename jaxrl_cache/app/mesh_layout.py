@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jaxrl_cache import parallel
 from jaxrl_cache.models import ModelConfig
-from jaxrl_cache.rl.train import TrainBatch, TrainState
+from jaxrl_cache.rl.train import TrainBatch, TrainState, train_step
 
 _PART = re.compile(r"(trainer)=(?:(\d+)x)?(\d+)|(engine)=(\d+)")
 SYNTAX = "trainer=F or trainer=DxF (data x fsdp devices), engine=E (tensor devices)"
@@ -107,9 +107,8 @@ class MeshPlacement:
         return jax.device_put(state, self.state_shardings)
 
     def train_step(self, state: TrainState, batch: TrainBatch, **kwargs):
-        """`parallel.sharded_train_step` with the batch split over the trainer's devices."""
-        batch = jax.device_put(batch, parallel.batch_shardings(batch, self.trainer))
-        return parallel.sharded_train_step(state, batch, **kwargs)
+        """`rl.train.train_step` with the batch's rows split over the trainer's devices."""
+        return train_step(state, batch, mesh=self.trainer, **kwargs)
 
     def engine_kwargs(self) -> dict:
         return dict(mesh=self.engine)

@@ -124,16 +124,24 @@ def _mlp(layer, h):
     return (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
 
 
-def _logits(params, config, x):
+def lm_logits(params, config, x):
+    """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     return jnp.matmul(x, head, preferred_element_type=jnp.float32)
 
 
-def _decoder(params, config, x, positions, attend: Callable, kv_cache):
+REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is recomputed)
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # + weight matmuls
+}
+
+
+def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: str = "none"):
     """Runs the stacked blocks with one lax.scan; kv_cache (any pytree, or None) is carried.
 
     attend(layer int32 [], q, k, v, kv_cache) -> (out [..., T, Hq, D], kv_cache').
+    remat: "none", or a REMAT_POLICIES key (each block rematerialised in the backward pass).
     """
     def block(carry, layer):
         x, kv_cache, index = carry
@@ -146,29 +154,47 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache):
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
         return (x, kv_cache, index + 1), None
 
+    if remat != "none":
+        block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
     (x, kv_cache, _), _ = jax.lax.scan(block, (x, kv_cache, jnp.int32(0)), params["layers"])
     return x, kv_cache
 
 
-def forward(params, config: ModelConfig, tokens):
-    """Dense causal forward. tokens int32 [B, T] (T <= max_seq_len) -> logits f32 [B, T, V]."""
+def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=None, *,
+                  remat: str = "none"):
+    """Dense causal forward to the last block's output (before the final norm).
+
+    tokens int32 [B, T] (T <= max_seq_len); positions int32 [B, T] (default 0..T-1);
+    segments int32 [B, T] (default: one segment per row): packed rows hold several
+    sequences, a token attends only to earlier tokens of its own segment, and positions
+    restart per sequence. Returns x [B, T, d_model] in the params' dtype.
+    """
     batch, length = tokens.shape
-    if length > config.max_seq_len:
+    if segments is None and length > config.max_seq_len:  # packed rows: positions restart
         raise ValueError(f"tokens has length {length} > max_seq_len {config.max_seq_len}")
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
     group = config.n_heads // config.n_kv_heads
-    causal = jnp.tril(jnp.ones((length, length), bool))
 
     def attend(_, q, k, v, kv_cache):
         k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k,
                        preferred_element_type=jnp.float32) * config.head_dim ** -0.5
-        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1).astype(v.dtype)
+        p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1).astype(v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v), kv_cache
 
     x = params["embed"][tokens]
-    x, _ = _decoder(params, config, x, positions, attend, None)
-    return _logits(params, config, x)
+    x, _ = _decoder(params, config, x, positions, attend, None, remat)
+    return x
+
+
+def forward(params, config: ModelConfig, tokens):
+    """Dense causal forward. tokens int32 [B, T] (T <= max_seq_len) -> logits f32 [B, T, V].
+    Materialises [B, T, V]: training and scoring use rl.logprobs (chunked) instead."""
+    return lm_logits(params, config, hidden_states(params, config, tokens))
 
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int):
@@ -219,7 +245,7 @@ def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, to
     attend = _paged_attend(kernel, page_table, token_seq, token_pos)
     x = params["embed"][tokens]
     x, kv_cache = _decoder(params, config, x, jnp.maximum(token_pos, 0), attend, kv_cache)
-    return _logits(params, config, x[logit_index]), kv_cache
+    return lm_logits(params, config, x[logit_index]), kv_cache
 
 
 def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, page_table, *,
@@ -238,4 +264,4 @@ def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, pag
     attend = _paged_attend(kernel, page_table, rows, positions)
     x = params["embed"][tokens]
     x, kv_cache = _decoder(params, config, x, jnp.maximum(positions, 0), attend, kv_cache)
-    return _logits(params, config, x), kv_cache
+    return lm_logits(params, config, x), kv_cache

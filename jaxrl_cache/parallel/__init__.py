@@ -9,12 +9,11 @@ from jaxrl_cache.parallel.mesh import (AXES, DATA, FSDP, TENSOR, TRAIN_RULES, fo
 from jaxrl_cache.parallel.reshard import ReshardStats, place, reshard, transfer_bytes
 from jaxrl_cache.parallel.tensor_parallel import (engine_kv_cache, rollout_shardings,
                                                   shard_forward)
-from jaxrl_cache.parallel.training import (batch_shardings, sharded_train_step,
-                                           train_state_shardings)
+from jaxrl_cache.parallel.training import train_state_shardings
 
 __all__ = [
     "initialize_from_env", "AXES", "DATA", "FSDP", "TENSOR", "TRAIN_RULES", "format_rules",
     "kv_layout", "make_mesh", "rollout_rules", "tree_shardings", "ReshardStats", "place",
     "reshard", "transfer_bytes", "engine_kv_cache", "rollout_shardings", "shard_forward",
-    "batch_shardings", "sharded_train_step", "train_state_shardings",
+    "train_state_shardings",
 ]

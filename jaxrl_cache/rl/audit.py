@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.models import ModelConfig
-from jaxrl_cache.rl.train import pack_samples, sample_token_versions, teacher_forced_log_probs
+from jaxrl_cache.rl.logprobs import next_token_log_probs
+from jaxrl_cache.rl.train import sample_token_versions
+from jaxrl_cache.shapes import bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,13 @@ class AuditReport:
     mixed_tokens: tuple  # (sample, (token indices...)) for each sample with mixed tokens
 
 
-_teacher_forced = jax.jit(teacher_forced_log_probs, static_argnums=1)
+def _rows(samples) -> np.ndarray:
+    """Prompt + output of each sample, right-padded: int32 [bucket(N), bucket(longest)]."""
+    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    tokens = np.zeros((bucket(len(samples), 64), bucket(longest, 64)), np.int32)
+    for i, s in enumerate(samples):
+        tokens[i, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
+    return tokens
 
 
 def _mixed(sample, index: int) -> np.ndarray:
@@ -70,7 +76,6 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     tolerance = as_real(tolerance, "tolerance", minimum=0.0)
-    knobs = batch.sampling.as_arrays()
     versions = [sample_token_versions(s, i) for i, s in enumerate(batch.samples)]
     mixed = [_mixed(s, i) for i, s in enumerate(batch.samples)]
     by_version: dict[int, list[int]] = {}  # version -> samples with tokens of it to check
@@ -86,9 +91,8 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
             bad = [(i, int(np.argmax(sel))) for i, sel in zip(idx, todo)]
         else:
             samples = [batch.samples[i] for i in idx]
-            tokens = pack_samples(samples)[0]
-            logp = np.asarray(_teacher_forced(params_by_version[version], config,
-                                              jnp.asarray(tokens), **knobs))
+            logp = np.asarray(next_token_log_probs(params_by_version[version], config,
+                                                   _rows(samples), batch.sampling))
             bad = []
             for r, (i, s, sel) in enumerate(zip(idx, samples, todo)):
                 p, o = len(s.prompt_ids), len(s.output_ids)

@@ -10,28 +10,40 @@ Guarantees:
   leaf; restore checks the template against them before reading and the digest after, so a
   flipped byte or a template of another model/dtype is a `CheckpointError`, as is a state
   whose optimizer update counts disagree with its version.
+  A save reads the step it finalized back and checks it the same way (a step that does not
+  read back is deleted and the save raises).
 - Whole: SIGINT/SIGTERM arriving during a save are delivered once it has finalized.
+- One writer: the first process to save into a directory owns it until it exits (a lock file,
+  see dir_lock); another process's save is refused naming the owner's pid, and the lock of
+  a dead owner is taken over. Readers (`latest_checkpoint_version`, `restore_checkpoint`)
+  open orbax read-only: they never write or delete anything, so they may poll a directory
+  while its writer saves. A restore of the latest step that the writer prunes meanwhile
+  (max_to_keep) moves on to the newer latest step.
 - Ours only: the directory carries a marker file; a non-empty directory without it is refused
-  (never written into, never pruned). Errors are one line; orbax/absl logging is silenced
-  while orbax runs.
+  (never written into, never pruned).
+- Quiet: errors are one line. In a process that uses this module, orbax's log records and the
+  "Event loop is closed" reports its background threads leave after a failed write are
+  dropped (the CheckpointError says what failed).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import pathlib
+import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_cache.dir_lock import DirectoryInUse, claim
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
 from jaxrl_cache.versioning import as_version
 
 MARKER = "JAXRL_CACHE_CHECKPOINTS"  # present in every directory save_checkpoint manages
+RESTORE_ATTEMPTS = 5  # a restore of the latest step retries this often while pruned under it
 
 
 class CheckpointError(ValueError):
@@ -58,18 +70,38 @@ def _digest(payload) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Silences orbax's and absl's logging (they log every failure with a traceback)."""
-    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "orbax.checkpoint")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+class _OrbaxRecords(logging.Filter):
+    """Drops log records emitted by orbax's code (it logs every failure with a traceback,
+    from its background threads too, after the call has raised)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+_ORBAX_RECORDS = _OrbaxRecords()
+
+
+class _ClosedLoopReports:
+    """sys.unraisablehook that drops the "Event loop is closed" RuntimeErrors tensorstore's
+    callbacks raise into a finished asyncio loop after a failed orbax write; passes on the
+    rest."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            self.previous(unraisable)
+
+
+def _quiet() -> None:
+    """Silences orbax for this process (idempotent): see the module doc."""
+    for logger in (logging.getLogger("absl"), logging.getLogger()):
+        if _ORBAX_RECORDS not in logger.filters:
+            logger.addFilter(_ORBAX_RECORDS)
+    if not isinstance(sys.unraisablehook, _ClosedLoopReports):
+        sys.unraisablehook = _ClosedLoopReports(sys.unraisablehook)
 
 
 def _directory(directory, *, create: bool) -> pathlib.Path | None:
@@ -81,32 +113,46 @@ def _directory(directory, *, create: bool) -> pathlib.Path | None:
         raise CheckpointError(f"{path} is a file, not a checkpoint directory")
     if path.is_dir() and (path / MARKER).is_file():
         return path
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and any(not p.name.startswith(f".{MARKER}.") for p in path.iterdir()):
         raise CheckpointError(f"{path} is not empty and holds no jaxrl_cache checkpoints "
                               f"(no {MARKER} file); refusing to touch it")
     if not create:
         return None
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{MARKER}.tmp"
+    tmp = path / f".{MARKER}.{os.getpid()}.tmp"  # a concurrent creator writes its own
     tmp.write_text("orbax CheckpointManager directory; steps are policy versions\n")
     tmp.replace(path / MARKER)
     return path
 
 
-def _manager(path: pathlib.Path, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+def _claim(path: pathlib.Path) -> None:
+    try:
+        claim(path)
+    except DirectoryInUse as e:
+        raise CheckpointError(f"cannot save into {path}: it is in use by pid {e.pid}, its "
+                              f"writer (one writer per checkpoint directory)") from None
+
+
+def _manager(path: pathlib.Path, max_to_keep: int | None = None, *,
+             writer: bool = False) -> ocp.CheckpointManager:
+    """The writer (it holds the lock) removes temporary directories of its own killed saves
+    and prunes to max_to_keep; readers are read-only."""
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
                                            enable_async_checkpointing=False,
-                                           cleanup_tmp_directories=True)
+                                           cleanup_tmp_directories=writer,
+                                           read_only=not writer)
     return ocp.CheckpointManager(path, options=options, item_names=("state", "meta"))
 
 
 def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pathlib.Path:
     """Saves `state` as step `state.version` of the checkpoint directory `directory` (created
-    if missing) and keeps the newest `max_to_keep` steps. Returns the step's path.
+    if missing), reads it back, and keeps the newest `max_to_keep` steps. Returns the step's
+    path. The calling process becomes the directory's one writer (module doc).
 
     Versions are in the int32 range (see versioning). Refuses (CheckpointError, nothing
-    written) a version older than the latest step, the same version with other contents, and a
-    non-empty directory that is not a checkpoint directory.
+    written) a directory another live process writes to, a version older than the latest
+    step, the same version with other contents, and a non-empty directory that is not a
+    checkpoint directory. A step that does not read back as saved is deleted, then raised.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
@@ -117,7 +163,9 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
     payload = _payload(state)
     meta = dict(version=version, digest=_digest(payload), layout=_layout(payload))
     path = _directory(directory, create=True)
-    with _quiet(), _manager(path, int(max_to_keep)) as mngr:
+    _claim(path)
+    _quiet()
+    with _manager(path, int(max_to_keep), writer=True) as mngr:
         latest = mngr.latest_step()
         if latest is not None and version < latest:
             raise CheckpointError(f"cannot save version {version} into {path}: it already "
@@ -127,15 +175,22 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
             if stored.get("digest") != meta["digest"]:
                 raise CheckpointError(f"{path} already holds version {version} with other "
                                       f"contents; a weight change needs a new version")
-        else:
-            try:
-                with deferred_signals():  # Ctrl-C lands after the step is finalized
-                    mngr.save(version, args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
-                    mngr.wait_until_finished()
-            except Exception as e:  # noqa: BLE001 - orbax raises many types
-                raise CheckpointError(f"saving version {version} into {path} failed: "
-                                      f"{type(e).__name__}: {_first_line(e)}") from None
+            return path / str(version)
+        try:
+            with deferred_signals():  # Ctrl-C lands after the step is finalized
+                mngr.save(version, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
+                mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax raises many types
+            raise CheckpointError(f"saving version {version} into {path} failed: "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
+        try:
+            if _read_step(mngr, path, version, payload)[1] != meta:
+                raise CheckpointError(f"checkpoint {path / str(version)} holds other metadata")
+        except CheckpointError as e:
+            mngr.delete(version)
+            raise CheckpointError(f"saving version {version} into {path} failed: it does not "
+                                  f"read back ({e}); the step was deleted") from None
     return path / str(version)
 
 
@@ -154,19 +209,44 @@ def _read_meta(mngr, path, step) -> dict:
     return meta
 
 
+def _read_step(mngr, path: pathlib.Path, step: int, template: dict) -> tuple[dict, dict]:
+    """(payload, meta) of `step` read into the structure and layout of the payload
+    `template`; CheckpointError if its metadata, layout or digest do not match."""
+    meta = _read_meta(mngr, path, step)
+    layout = _layout(template)
+    if meta["layout"] != layout:
+        diff = next(((a, b) for a, b in zip(meta["layout"], layout) if a != b),
+                    (f"{len(meta['layout'])} leaves", f"{len(layout)} leaves"))
+        raise CheckpointError(f"checkpoint {path / str(step)} does not match the template: "
+                              f"stored {diff[0]}, template {diff[1]}")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
+    if _digest(restored) != meta["digest"]:
+        raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: its arrays do not "
+                              f"match the stored digest")
+    return restored, meta
+
+
 def latest_checkpoint_version(directory) -> int | None:
     """The newest saved version in `directory`, or None if there is none (or no directory).
-    CheckpointError if the directory exists but is not a checkpoint directory."""
+    CheckpointError if the directory exists but is not a checkpoint directory. Read-only."""
     path = _directory(directory, create=False)
     if path is None:
         return None
-    with _quiet(), _manager(path) as mngr:
+    _quiet()
+    with _manager(path) as mngr:
         return mngr.latest_step()
 
 
 def restore_checkpoint(directory, template: TrainState, *, step: int | None = None) -> TrainState:
     """Restores step `step` (default: the latest) into the structure of `template` (same
-    model, optimizer and dtypes; its tx, schedule and config are kept).
+    model, optimizer and dtypes; its tx, schedule and config are kept). Read-only: it may
+    run while another process saves (module doc).
 
     CheckpointError if there is no such step, the template's layout differs from the stored
     one, the arrays' digest does not match, or the optimizer update counts disagree with the
@@ -177,36 +257,29 @@ def restore_checkpoint(directory, template: TrainState, *, step: int | None = No
     path = _directory(directory, create=False)
     if path is None:
         raise CheckpointError(f"no checkpoint in {pathlib.Path(directory).resolve()}")
-    with _quiet(), _manager(path) as mngr:
-        steps = mngr.all_steps()
-        if step is None:
-            if not steps:
+    _quiet()
+    for attempt in range(1, RESTORE_ATTEMPTS + 1):
+        with _manager(path) as mngr:
+            steps = mngr.all_steps()
+            if step is None and not steps:
                 raise CheckpointError(f"no checkpoint in {path}")
-            step = max(steps)
-        step = as_version(step, "step")
-        if step not in steps:
-            raise CheckpointError(f"no version {step} in {path}; it holds {sorted(steps)}")
-        meta = _read_meta(mngr, path, step)
-        layout = _layout(_payload(template))
-        if meta["layout"] != layout:
-            diff = next(((a, b) for a, b in zip(meta["layout"], layout) if a != b),
-                        (f"{len(meta['layout'])} leaves", f"{len(layout)} leaves"))
-            raise CheckpointError(f"checkpoint {path / str(step)} does not match the template: "
-                                  f"stored {diff[0]}, template {diff[1]}")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _payload(template))
-        try:
-            restored = mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: "
-                                  f"{type(e).__name__}: {_first_line(e)}") from None
-    if _digest(restored) != meta["digest"]:
-        raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: its arrays do not "
-                              f"match the stored digest")
+            chosen = max(steps) if step is None else as_version(step, "step")
+            if chosen not in steps:
+                raise CheckpointError(f"no version {chosen} in {path}; it holds "
+                                      f"{sorted(steps)}")
+            try:
+                restored, _ = _read_step(mngr, path, chosen, _payload(template))
+                break
+            except CheckpointError:
+                # the writer may have pruned it while we read, after saving a newer step
+                newer = latest_checkpoint_version(path)
+                if step is not None or attempt == RESTORE_ATTEMPTS or newer is None \
+                        or newer <= chosen:
+                    raise
     version = int(np.asarray(restored["version"]))
     counts = optimizer_counts(restored["opt_state"])
-    if version != step or any(c != version for c in counts):
-        raise CheckpointError(f"checkpoint {path / str(step)} has version {version} but "
+    if version != chosen or any(c != version for c in counts):
+        raise CheckpointError(f"checkpoint {path / str(chosen)} has version {version} but "
                               f"optimizer update counts {counts}; refusing an inconsistent "
                               f"state")
     return template.replace(params=restored["params"], opt_state=restored["opt_state"],

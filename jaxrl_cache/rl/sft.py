@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_cache.models import ModelConfig, forward
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.rl.logprobs import token_log_probs
 from jaxrl_cache.shapes import bucket
 
 
@@ -40,11 +41,16 @@ def pack_completions(prompts, completions, length: int | None = None):
     return tokens, mask
 
 
+_PLAIN = dict(temperature=jnp.float32(1.0), top_p=jnp.float32(1.0), top_k=jnp.int32(0))
+
+
 def sft_loss(params, config: ModelConfig, tokens, loss_mask):
-    """Token-mean cross-entropy. tokens int32 [N, L]; loss_mask f32 [N, L-1] -> f32 []."""
-    logp = jax.nn.log_softmax(forward(params, config, tokens)[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return (nll * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
+    """Token-mean cross-entropy. tokens int32 [N, L]; loss_mask f32 [N, L-1] -> f32 [].
+    Chunked log-probs (rl.logprobs) over a rematerialised layer scan."""
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    logp = token_log_probs(params, config, tokens, targets, _PLAIN, kind="none",
+                           remat="full")[:, :-1]
+    return -(logp * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tx"))

@@ -1,44 +1,59 @@
 """Policy versions through training: TrainState, GRPO batches and the clipped PG train step.
 
-The version is the number of optimizer updates applied. `train_step` returns it incremented
-and evaluates the learning-rate schedule at the input version, the update count before this
-update (optax's convention), so lr(update k) = schedule(k) for k = 0, 1, 2, ...
-The optimizer `tx` is the learning-rate-free direction (e.g. `make_optimizer()`: clip, Adam,
-weight decay); the step scales its output by -schedule(version). Every `count` inside the
-optimizer state equals the version at all times; checkpoints verify it.
+The version is the number of optimizer updates applied. `train_step` applies
+`mini_batches x epochs` updates to one batch and returns the version advanced by that many;
+update k is evaluated with the learning rate schedule(version before it) (optax's
+convention), so lr(update k) = schedule(k) for k = 0, 1, 2, ... The optimizer `tx` is the
+learning-rate-free direction (e.g. `make_optimizer()`: clip, Adam, weight decay); the step
+scales its output by -schedule(version). Every `count` inside the optimizer state equals the
+version at all times; checkpoints verify it.
+
+Memory is set by a micro-batch, not the batch: samples are packed into micro-batches of at
+most `token_budget` tokens (rl/packing.py), each update accumulates gradients over them in
+one jitted scan (no host round trip), log-probs come chunked (rl/logprobs.py: never
+[N, L, V] logits) and the layer scan is rematerialised (`remat`). The loss of a mini-batch is
+the sum over its sampled tokens of weight x token loss, the weights set on the host by
+`loss_type` over the whole mini-batch, so the update does not depend on the budget.
 
 Numbers: versions stay in the int32 range (`versioning.MAX_VERSION`); a step that would pass
-it is refused. Non-finite rewards, behavior logprobs, clip parameters or learning rates are
-refused before any work, and a step whose loss or gradient norm is not finite raises instead
-of returning NaN params: `train_step` is functional, so the caller's state stays as it was.
+it is refused. Non-finite rewards, behavior logprobs, clip parameters or negative /
+non-finite learning rates are refused before any work, and a step whose loss or gradient norm
+is not finite raises (`NonFiniteUpdate`, carrying the unchanged state) instead of returning
+NaN params.
 
 Off-policy correction (`correction="decoupled"`, decoupled PPO as in AReaL): three policies,
-behavior (each token's recorded logprob, sampled by its own version), proximal (the trainer's
-params before this update, no gradient) and current. The clipped ratio is current/proximal and
-each token's surrogate is weighted by min(proximal/behavior, is_cap). `correction="none"` is
-plain PPO-clip with the ratio against behavior. Both read logprobs from
-`teacher_forced_log_probs` (the sampler's own `behavior_log_probs`), so on fresh samples
-proximal == behavior and the two objectives coincide.
+behavior (each token's recorded logprob, sampled by its own version), proximal (the
+trainer's params before the first update of this batch, scored once, no gradient) and
+current. The clipped ratio is current/proximal and each token's surrogate is weighted by
+min(proximal/behavior, is_cap). `correction="none"` is plain PPO-clip with the ratio against
+behavior. Both read the sampler's own distribution (`sampling.warped_logits`), so on fresh
+samples proximal == behavior and, at the first update, the two objectives coincide.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
+import contextlib
+import dataclasses
 import functools
+import math
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 from optax import tree_utils as otu
 
 from jaxrl_cache.checks import as_count, as_real
-from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.errors import StalenessError, VersionError
-from jaxrl_cache.models.llama import ModelConfig, forward
-from jaxrl_cache.rollout.sampling import behavior_log_probs
-from jaxrl_cache.shapes import bucket
+from jaxrl_cache.models.llama import ModelConfig
+from jaxrl_cache.parallel.mesh import DATA, FSDP
+from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
+from jaxrl_cache.rl.packing import PackedBatch, pack
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 CORRECTIONS = ("none", "decoupled")
@@ -78,29 +93,12 @@ class TrainState:
         version = as_version(version)
         tx = tx or make_optimizer()
         schedule = lr_schedule if callable(lr_schedule) else optax.constant_schedule(
-            as_real(lr_schedule, "lr_schedule"))
+            as_real(lr_schedule, "lr_schedule", minimum=0.0))
         opt_state = tx.init(params)
         if otu.tree_get_all_with_path(opt_state, "count"):
             opt_state = otu.tree_set(opt_state, count=jnp.asarray(version, jnp.int32))
         return cls(params=params, opt_state=opt_state, version=jnp.asarray(version, jnp.int32),
                    tx=tx, lr_schedule=schedule, config=config)
-
-
-@flax.struct.dataclass
-class TrainBatch:
-    tokens: jax.Array  # int32 [N, L] prompt + output, right-padded; N bucketed (pad rows
-    #                    have an all-zero loss_mask)
-    loss_mask: jax.Array  # f32 [N, L-1] 1 where position t predicts an output token t+1
-    behavior_logprobs: jax.Array  # f32 [N, L-1] aligned with targets tokens[:, 1:]
-    advantages: jax.Array  # f32 [N]
-    behavior_version: jax.Array  # int32 [N] each sample's oldest token version (staleness is
-    #                            measured from it; = Sample.behavior_version when synchronous);
-    #                            replicated on a mesh: train_step reads it on the host
-    token_versions: jax.Array  # int32 [N, L-1] version that sampled the token position t
-    #                            predicts (loss positions); elsewhere the row's oldest version
-    temperature: jax.Array  # f32 []
-    top_p: jax.Array  # f32 []
-    top_k: jax.Array  # int32 []
 
 
 def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -111,6 +109,16 @@ def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6)
         idx = groups == g
         r = rewards[idx]
         out[idx] = (r - r.mean()) / (r.std() + eps)
+    return out.astype(np.float32)
+
+
+def group_advantages_no_std(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Dr. GRPO: r - group mean (no division by the group std). rewards, groups [N] -> [N]."""
+    rewards = np.asarray(rewards, np.float64)
+    out = np.zeros_like(rewards)
+    for g in np.unique(groups):
+        idx = groups == g
+        out[idx] = rewards[idx] - rewards[idx].mean()
     return out.astype(np.float32)
 
 
@@ -127,50 +135,113 @@ def sample_token_versions(sample, index: int) -> np.ndarray:
     return versions.astype(np.int64)
 
 
-MAX_LENGTH = 2**20  # tokens per packed sequence (a dense [N, L] batch beyond it cannot fit)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # TRL's names (see TrainConfig.loss_type)
+COMPUTE_DTYPES = ("float32", "bfloat16")
+REMATS = ("full", "dots", "none")
+MAX_LENGTH = 2**20  # tokens per sample
 
 
-def pack_samples(samples, length: int | None = None):
-    """Right-padded prompt + output tokens of each sample, aligned for next-token scoring.
+class NonFiniteUpdate(ValueError):
+    """An update produced a non-finite loss or gradient norm; `.state` is the input state,
+    unchanged (usable even when the step donated its buffers)."""
 
-    Returns tokens int32 [R, L]; mask f32 [R, L-1] (1 where position t predicts an output
-    token t+1); behavior f32 [R, L-1] (the recorded logprobs at those positions); versions
-    int32 [R, L-1] (the version that sampled each output token; elsewhere the row's oldest
-    version, and on padding rows the newest sample's oldest version). Rows past the N samples
-    are padding (mask 0). R = bucket(N) and L (default: the longest sample) rounded up to
-    buckets, so batches of nearby sizes share one compilation.
+    def __init__(self, message: str, state):
+        super().__init__(message)
+        self.state = state
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `train_step` does with a batch; checked once, here.
+
+    loss_type (TRL's names): "dapo" token mean over the mini-batch; "grpo" mean over
+    sequences of each sequence's token mean; "dr_grpo" token sum / (sequences x
+    max_new_tokens), Dr. GRPO's constant normaliser. kl_beta > 0 adds beta x k3 KL to the
+    reference params (`train_step(ref_params=...)`) per sampled token.
     """
-    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-    length = length or bucket(longest, 64)
-    if length < longest:
-        raise ValueError(f"length {length} is shorter than the longest sample ({longest})")
-    n = bucket(len(samples), 64)
-    tokens = np.zeros((n, length), np.int32)
-    mask = np.zeros((n, length - 1), np.float32)
-    behavior = np.zeros((n, length - 1), np.float32)
-    token_versions = [sample_token_versions(s, i) for i, s in enumerate(samples)]
-    oldest = [int(v.min()) if v.size else s.behavior_version
-              for s, v in zip(samples, token_versions)]
-    versions = np.full((n, length - 1), max(oldest), np.int32)
-    for i, s in enumerate(samples):
-        p, o = len(s.prompt_ids), len(s.output_ids)
-        tokens[i, :p + o] = s.prompt_ids + s.output_ids
-        mask[i, p - 1:p - 1 + o] = 1.0
-        behavior[i, p - 1:p - 1 + o] = s.output_logprobs
-        versions[i] = oldest[i]
-        versions[i, p - 1:p - 1 + o] = token_versions[i]
-    return tokens, mask, behavior, versions
+    clip_eps: float = 0.2
+    dual_clip: float | None = None  # > 1: bounds the ratio's pull on negative advantages
+    correction: str = "none"  # or "decoupled" (see module doc)
+    is_cap: float = 2.0  # decoupled importance weights truncated at is_cap (>= 1)
+    max_policy_lag: int | None = None  # oldest token version a sample may have, behind
+    loss_type: str = "dapo"
+    kl_beta: float = 0.0
+    mini_batches: int = 1  # updates per pass: the batch split into this many parts
+    epochs: int = 1  # passes over the batch
+    token_budget: int = 4096  # tokens per micro-batch (packed rows x row length)
+    remat: str = "full"  # layer-scan rematerialisation: "full", "dots" or "none"
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
+    logprob_chunk: int = 512  # positions per LM-head chunk
+    donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
+
+    def __post_init__(self):
+        norm = dict(clip_eps=as_real(self.clip_eps, "clip_eps", minimum=0.0, open_min=True),
+                    is_cap=as_real(self.is_cap, "is_cap", minimum=1.0),
+                    kl_beta=as_real(self.kl_beta, "kl_beta", minimum=0.0),
+                    mini_batches=as_count(self.mini_batches, "mini_batches", minimum=1,
+                                          maximum=4096),
+                    epochs=as_count(self.epochs, "epochs", minimum=1, maximum=4096),
+                    token_budget=as_count(self.token_budget, "token_budget", minimum=2,
+                                          maximum=MAX_LENGTH),
+                    logprob_chunk=as_count(self.logprob_chunk, "logprob_chunk", minimum=1))
+        if self.dual_clip is not None:
+            norm["dual_clip"] = as_real(self.dual_clip, "dual_clip", minimum=1.0,
+                                        open_min=True)
+        if self.max_policy_lag is not None:
+            norm["max_policy_lag"] = as_count(self.max_policy_lag, "max_policy_lag",
+                                              maximum=MAX_VERSION)
+        for name, allowed in (("correction", CORRECTIONS), ("loss_type", LOSS_TYPES),
+                              ("remat", REMATS), ("compute_dtype", COMPUTE_DTYPES)):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__} "
+                                f"{value!r:.80}")
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r:.80}")
+        if not isinstance(self.donate, (bool, np.bool_)):
+            raise TypeError(f"donate must be a bool, got {type(self.donate).__name__}")
+        for name, value in norm.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def updates(self) -> int:
+        return self.mini_batches * self.epochs
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """Samples ready to train on (host arrays; `train_step` packs them per its config).
+
+    Per sample i: sequences[i] int32 [L_i] prompt + output; prompt_lengths[i];
+    behavior_logprobs[i] f32 [O_i] and token_versions[i] int64 [O_i] of its output tokens;
+    advantages[i]; behavior_version[i] its oldest token version (staleness is measured from
+    it). All samples share one sampling setting (the distribution the loss scores).
+    """
+    sequences: tuple
+    prompt_lengths: np.ndarray  # int64 [N]
+    behavior_logprobs: tuple
+    token_versions: tuple
+    advantages: np.ndarray  # f32 [N]
+    behavior_version: np.ndarray  # int64 [N]
+    sampling: SamplingParams
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
 
 
 def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
-               length: int | None = None) -> TrainBatch:
+               advantages: Callable = group_advantages) -> TrainBatch:
     """Samples of one or more rollout batches + scalar rewards [N] -> a TrainBatch.
 
-    Groups (for advantages) are the n samples of one prompt of one rollout call. All batches
-    must share sampling parameters. length: padded sequence length (default: the longest
-    sample rounded up to a bucket, so repeated steps reuse one compilation). Per-token
-    versions come from Sample.token_versions; a sample's behavior_version in the batch is its
-    oldest token version.
+    Groups (for advantages) are the n samples of one prompt of one rollout call; advantages
+    (rewards f64 [N], groups int [N]) -> f32 [N] is GRPO's group normalisation by default
+    (`group_advantages_no_std`: Dr. GRPO's). All batches must share sampling parameters.
+    Per-token versions come from Sample.token_versions.
     """
     if isinstance(rollouts, RolloutBatch):
         batches = [rollouts]
@@ -185,8 +256,6 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     empty = [k for k, b in enumerate(batches) if not b.samples]
     if empty:
         raise ValueError(f"rollouts: batch {empty[0]} has no samples")
-    if length is not None:
-        length = as_count(length, "length", minimum=2, maximum=MAX_LENGTH)
     sp = batches[0].sampling
     if any(b.sampling != sp for b in batches):
         raise ValueError("all rollout batches of a training batch must share SamplingParams")
@@ -202,155 +271,281 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
     if not np.isfinite(rewards).all():
         bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
         raise ValueError(f"rewards must be finite, got rewards[{bad}] = {rewards[bad]}")
-    tokens, mask, behavior, token_versions = pack_samples(samples, length)
-    if not np.isfinite(behavior).all():
-        bad = int(np.flatnonzero(~np.isfinite(behavior).all(axis=1))[0])
-        raise ValueError(f"sample {bad} has non-finite behavior logprobs")
-    rows = tokens.shape[0]  # padding rows: no loss tokens, no advantage, newest version
-    advantages = np.zeros(rows, np.float32)
-    advantages[:len(samples)] = group_advantages(rewards, groups)
+    versions = [sample_token_versions(s, i) for i, s in enumerate(samples)]
+    behavior = []
+    for i, s in enumerate(samples):
+        logp = np.asarray(s.output_logprobs, np.float32)
+        if logp.shape != (len(s.output_ids),) or not np.isfinite(logp).all():
+            raise ValueError(f"sample {i} has non-finite or misshapen behavior logprobs")
+        if len(s.prompt_ids) + len(s.output_ids) > MAX_LENGTH or not s.output_ids:
+            raise ValueError(f"sample {i} must have 1 to {MAX_LENGTH} tokens with at least "
+                             f"one output token")
+        behavior.append(logp)
+    adv = np.asarray(advantages(rewards.astype(np.float64), groups), np.float32)
+    if adv.shape != (len(samples),) or not np.isfinite(adv).all():
+        raise ValueError(f"advantages(...) must return finite f32 [{len(samples)}]")
     return TrainBatch(
-        tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
-        behavior_logprobs=jnp.asarray(behavior), advantages=jnp.asarray(advantages),
-        behavior_version=jnp.asarray(token_versions.min(axis=1)),
-        token_versions=jnp.asarray(token_versions),
-        temperature=jnp.float32(sp.temperature), top_p=jnp.float32(sp.top_p),
-        top_k=jnp.int32(sp.top_k))
+        sequences=tuple(np.asarray(s.prompt_ids + s.output_ids, np.int32) for s in samples),
+        prompt_lengths=np.array([len(s.prompt_ids) for s in samples]),
+        behavior_logprobs=tuple(behavior), token_versions=tuple(versions), advantages=adv,
+        behavior_version=np.array([int(v.min()) if v.size else s.behavior_version
+                                   for s, v in zip(samples, versions)]),
+        sampling=sp)
 
 
-def teacher_forced_log_probs(params, config, tokens, temperature, top_p, top_k):
-    """tokens int32 [N, L] -> log-probs f32 [N, L-1] of each next token under the sampling
-    distribution (see sampling.behavior_log_probs). Used by the loss and by the audit."""
-    logits = forward(params, config, tokens)[:, :-1]
-    logp = behavior_log_probs(logits, temperature, top_p, top_k)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[np.ndarray]:
+    """Each sampled token's share of its mini-batch's loss: per sample f32 [O_i]."""
+    outputs = [len(batch.behavior_logprobs[i]) for i in part]
+    if loss_type == "dapo":
+        return [np.full(o, 1.0 / sum(outputs), np.float32) for o in outputs]
+    if loss_type == "grpo":
+        return [np.full(o, 1.0 / (o * len(part)), np.float32) for o in outputs]
+    norm = len(part) * batch.sampling.max_new_tokens  # dr_grpo
+    return [np.full(o, 1.0 / norm, np.float32) for o in outputs]
 
 
-def policy_log_probs(params, config, batch: TrainBatch):
-    """Log-probs [N, L-1] of each next token under the batch's sampling distribution."""
-    logp = teacher_forced_log_probs(params, config, batch.tokens, batch.temperature,
-                                    batch.top_p, batch.top_k)
-    return jnp.maximum(logp, -1e4)  # a token outside a new top-k/top-p gets ratio ~0, not NaN
+def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
+    """The batch as [mini_batches, M, B, R] micro-batches (samples split in order)."""
+    if batch.num_samples < cfg.mini_batches:
+        raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
+                         f"{batch.num_samples} samples")
+    parts = np.array_split(np.arange(batch.num_samples), cfg.mini_batches)
+    weights = [None] * batch.num_samples
+    for part in parts:
+        for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
+            weights[i] = w
+    return pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
+                batch.token_versions, batch.advantages, weights, parts=parts,
+                token_budget=cfg.token_budget, row_multiple=row_multiple)
 
 
-def pg_loss(params, config, batch: TrainBatch, clip_eps, dual_clip, is_cap, correction: str):
-    """PPO-clip surrogate, token-mean. clip_eps, is_cap f32 []; dual_clip f32 [] or None.
+def _compute_params(params, cfg: TrainConfig):
+    if cfg.compute_dtype == "float32":
+        return params
+    return jax.tree.map(lambda x: x.astype(cfg.compute_dtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
-    correction "none": ratio = current/behavior. "decoupled": ratio = current/proximal and
-    each token weighted by min(proximal/behavior, is_cap). The proximal policy is the params
-    this loss is evaluated at (train_step applies one update per batch, at the params it was
-    given), so its logprobs are the forward's own values without gradient: the ratio is 1 in
-    value with the gradient of the current policy, and the weight carries the staleness.
-    """
-    logp = policy_log_probs(params, config, batch)
-    proximal = jax.lax.stop_gradient(logp)
-    weight = jnp.exp(proximal - batch.behavior_logprobs)  # [N, L-1] proximal / behavior
-    mask = batch.loss_mask
-    if correction == "decoupled":
-        ratio = jnp.exp(logp - proximal)
-        scale = jnp.minimum(weight, is_cap)
-        truncated = (weight > is_cap) * mask
+
+def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig):
+    """Log-probs [B, R] of each position's target (clamped at -1e4: a token outside a new
+    top-k/top-p set gets ratio ~0, not NaN)."""
+    logp = token_log_probs(_compute_params(params, cfg), config, mb.tokens, mb.targets, knobs,
+                           kind=kind, positions=mb.positions, segments=mb.segments,
+                           remat=cfg.remat, chunk=cfg.logprob_chunk)
+    return jnp.maximum(logp, -1e4)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kind", "cfg"))
+def _score(params, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig):
+    """Log-probs [U, M, B, R] of every target under `params`, no gradient (the proximal
+    policy, the reference policy)."""
+    def one(_, mb):
+        return None, jax.lax.stop_gradient(_micro_log_probs(params, config, mb, knobs, kind,
+                                                            cfg))
+    flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), packed)
+    _, logp = jax.lax.scan(one, None, flat)
+    return logp.reshape(packed.tokens.shape)
+
+
+def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, version, nums,
+                cfg: TrainConfig):
+    """Sum over the micro-batch of weight x token loss, and the sums behind the metrics.
+    proximal, ref: f32 [B, R] or None (proximal None: this update's params, no gradient);
+    nums: clip_eps, is_cap, kl_beta f32 [], dual_clip f32 [] or None (traced)."""
+    logp = _micro_log_probs(params, config, mb, knobs, kind, cfg)
+    mask = mb.weights > 0
+    on = lambda x: jnp.where(mask, x, 0.0)  # noqa: E731 (log-ratios at masked positions)
+    prox = jax.lax.stop_gradient(logp) if proximal is None else proximal
+    is_weight = jnp.exp(on(prox - mb.behavior))  # proximal / behavior
+    adv = mb.advantages
+    if cfg.correction == "decoupled":
+        ratio = jnp.exp(on(logp - prox))
+        scale = jnp.minimum(is_weight, nums["is_cap"])
+        truncated = (is_weight > nums["is_cap"]) & mask
     else:
-        ratio = jnp.exp(logp - batch.behavior_logprobs)
+        ratio = jnp.exp(on(logp - mb.behavior))
         scale, truncated = 1.0, jnp.zeros_like(mask)
-    adv = batch.advantages[:, None]
+    clip_eps, dual_clip = nums["clip_eps"], nums["dual_clip"]
     surrogate = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps))
-    if dual_clip is not None:  # bounds the importance weight on negative advantages
+    if dual_clip is not None:
         surrogate = jnp.where(adv < 0, jnp.minimum(surrogate, -dual_clip * adv), surrogate)
-    tokens = jnp.maximum(mask.sum(), 1.0)
-    loss = (scale * surrogate * mask).sum() / tokens
-    clipped = (jnp.abs(ratio - 1) > clip_eps) * mask
-    aux = dict(ratio_mean=(ratio * mask).sum() / tokens,
-               ratio_max=jnp.where(mask > 0, ratio, 0).max(),
-               clip_fraction=clipped.sum() / tokens, tokens=mask.sum(),
-               is_weight_mean=(weight * mask).sum() / tokens,
-               is_weight_max=jnp.where(mask > 0, weight, 0).max(),
-               is_truncated_fraction=truncated.sum() / tokens)
-    return loss, aux
+    token_loss = scale * surrogate
+    kl = jnp.zeros_like(logp)
+    if ref is not None:  # k3: exp(ref - logp) - (ref - logp) - 1 >= 0
+        delta = on(ref - logp)
+        kl = jnp.exp(delta) - delta - 1.0
+        token_loss = token_loss + nums["kl_beta"] * kl
+    loss = (mb.weights * token_loss).sum()
+    staleness = version - mb.versions
+    sums = dict(tokens=mask.sum(), ratio=on(ratio).sum(),
+                ratio_max=jnp.where(mask, ratio, 0).max(),
+                clipped=((jnp.abs(ratio - 1) > clip_eps) & mask).sum(),
+                is_weight=on(is_weight).sum(), is_weight_max=jnp.where(mask, is_weight, 0).max(),
+                truncated=truncated.sum(), kl=on(kl).sum(), staleness=on(staleness).sum(),
+                staleness_max=jnp.where(mask, staleness, 0).max(),
+                newest=jnp.where(mask, mb.versions, 0).max())
+    return loss, sums
 
 
-@functools.partial(jax.jit, static_argnames=("tx", "config", "correction"))
-def _train_core(params, opt_state, version, batch: TrainBatch, lr, clip_eps, dual_clip, is_cap,
-                *, tx: optax.GradientTransformation, config: ModelConfig, correction: str):
-    """version int32 []; lr, clip_eps, is_cap f32 []; dual_clip f32 [] or None. Every number
-    is traced (new values never recompile); tx, config and correction are static."""
-    (loss, aux), grads = jax.value_and_grad(pg_loss, has_aux=True)(
-        params, config, batch, clip_eps, dual_clip, is_cap, correction)
+_MAXED = ("ratio_max", "is_weight_max", "staleness_max", "newest")
+
+
+def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs, lr, nums, *,
+            tx, config, kind, cfg: TrainConfig):
+    """One optimizer update: gradients accumulated over the part's micro-batches [M, ...]."""
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def micro(carry, xs):
+        grads, loss, sums = carry
+        mb, prox, rf = xs
+        (l, s), g = grad_fn(params, config, mb, prox, rf, knobs, kind, version, nums, cfg)
+        sums = {k: jnp.maximum(sums[k], v) if k in _MAXED else sums[k] + v
+                for k, v in s.items()}
+        return (jax.tree.map(jnp.add, grads, g), loss + l, sums), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    first = jax.eval_shape(lambda: _micro_loss(params, config, jax.tree.map(lambda x: x[0], part),
+                                               None if proximal is None else proximal[0],
+                                               None if ref is None else ref[0], knobs, kind,
+                                               version, nums, cfg)[1])
+    sums0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in first.items()}
+    (grads, loss, sums), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), sums0),
+                                          (part, proximal, ref))
     direction, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, direction))
-    mask = batch.loss_mask
-    staleness = version - batch.token_versions  # [N, L-1] per output token
-    metrics = dict(loss=loss, lr=lr, version=version + 1, grad_norm=optax.tree.norm(grads),
-                   staleness_max=jnp.where(mask > 0, staleness, 0).max(),
-                   staleness_mean=(staleness * mask).sum() / jnp.maximum(mask.sum(), 1.0),
-                   newest_token_version=jnp.where(mask > 0, batch.token_versions, 0).max(),
-                   **aux)
-    return params, opt_state, version + 1, metrics
+    tokens = jnp.maximum(sums["tokens"], 1)
+    metrics = dict(loss=loss, lr=lr, grad_norm=optax.tree.norm(grads),
+                   ratio_mean=sums["ratio"] / tokens, ratio_max=sums["ratio_max"],
+                   clip_fraction=sums["clipped"] / tokens, tokens=sums["tokens"],
+                   is_weight_mean=sums["is_weight"] / tokens,
+                   is_weight_max=sums["is_weight_max"],
+                   is_truncated_fraction=sums["truncated"] / tokens, kl=sums["kl"] / tokens,
+                   staleness_mean=sums["staleness"] / tokens,
+                   staleness_max=sums["staleness_max"], newest_token_version=sums["newest"])
+    return params, opt_state, metrics
 
 
-def train_step(state: TrainState, batch: TrainBatch, *, max_policy_lag: int | None = None,
-               clip_eps: float = 0.2, dual_clip: float | None = None,
-               correction: str = "none", is_cap: float = 2.0):
-    """One optimizer update. Returns (state with version + 1, metrics).
+def _train_core(params, opt_state, version, packed: PackedBatch, proximal, ref, knobs, lrs,
+                nums, *, tx, config, kind, cfg: TrainConfig):
+    """cfg.updates updates; lrs f32 [updates]. Returns (params', opt_state', version',
+    metrics of each update [updates], ok). When a loss or gradient norm is not finite, the
+    input params and optimizer state come back unchanged and ok is False."""
+    def one(carry, i):
+        p, s, v = carry
+        u = i % cfg.mini_batches
+        take = lambda t: None if t is None else jax.tree.map(lambda x: x[u], t)  # noqa
+        p, s, m = _update(p, s, v, take(packed), take(proximal), take(ref), knobs, lrs[i],
+                          nums, tx=tx, config=config, kind=kind, cfg=cfg)
+        return (p, s, v + 1), m
 
-    correction: "none" (PPO-clip against behavior) or "decoupled" (see module doc); is_cap
-    (>= 1) truncates the decoupled importance weights. Metrics per output token: staleness
-    (trainer version - token version) mean/max, importance weight proximal/behavior
-    mean/max, the fraction truncated.
+    (new_params, new_opt, new_version), metrics = jax.lax.scan(
+        one, (params, opt_state, version), jnp.arange(cfg.updates))
+    ok = jnp.isfinite(metrics["loss"]).all() & jnp.isfinite(metrics["grad_norm"]).all()
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+    return (keep(new_params, params), keep(new_opt, opt_state),
+            jnp.where(ok, new_version, version), metrics, ok)
 
-    Raises before any work: TypeError/ValueError for a malformed argument, a non-finite clip
-    parameter (clip_eps > 0; dual_clip > 1 or None; is_cap >= 1) or learning rate at this
-    version; VersionError if the version would pass the int32 range; StalenessError if a
-    sample's oldest token version lags the state's version by more than max_policy_lag
-    (None = no limit), or is newer than the state. Raises (returning nothing) StalenessError
-    if a token's version is newer than the state, ValueError if the loss or gradient norm came
-    out non-finite; the metrics are read on the host for these checks.
+
+def _structure(cfg: TrainConfig) -> TrainConfig:
+    """The part of a config that shapes the program (numbers are traced: new values compile
+    nothing)."""
+    return dataclasses.replace(cfg, clip_eps=0.2, is_cap=2.0, kl_beta=float(cfg.kl_beta > 0),
+                               dual_clip=None if cfg.dual_clip is None else 2.0,
+                               max_policy_lag=None, donate=False)
+
+
+_STATIC = ("tx", "config", "kind", "cfg")
+_train_jit = jax.jit(_train_core, static_argnames=_STATIC)
+_train_jit_donating = jax.jit(_train_core, static_argnames=_STATIC, donate_argnums=(0, 1))
+
+
+def _summary(metrics: dict, version: int, updates: int) -> dict:
+    """Scalars over the updates: means, maxima of the *_max keys, the last lr; per-update
+    arrays under "per_update". All stay on device."""
+    out = {k: (v.max() if k.endswith("_max") or k == "newest_token_version" else v.mean())
+           for k, v in metrics.items()}
+    out.update(lr=metrics["lr"][-1], version=jnp.int32(version + updates), updates=updates,
+               per_update=metrics)
+    return out
+
+
+def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None = None, *,
+               ref_params=None, mesh=None, **options):
+    """`config.updates` optimizer updates on `batch`. Returns (state with version +
+    updates, metrics). options: TrainConfig fields overriding `config` (e.g.
+    `train_step(state, batch, max_policy_lag=1)`).
+
+    Metrics (device arrays, read by the caller when it wants them): loss, grad_norm,
+    ratio/clip/importance-weight statistics, staleness (trainer version - token version)
+    mean/max, kl, averaged over the updates (maxima for *_max), lr of the last update,
+    version, and "per_update" arrays [updates]. ref_params: the reference policy of
+    kl_beta. mesh: a Mesh with data/fsdp axes: rows split over them, the state placed like
+    `state` (see parallel.train_state_shardings).
+
+    Raises before any work: TypeError/ValueError for a malformed argument or a learning rate
+    that is negative or not finite at one of the versions; VersionError if the version would
+    pass the int32 range; StalenessError if a sample's oldest token lags the state's version
+    by more than max_policy_lag, or a token is newer than the state; ValueError (one line,
+    with the numbers) if a sample cannot fit the token budget. Raises NonFiniteUpdate
+    (carrying the unchanged state) if a loss or gradient norm came out non-finite.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
     if not isinstance(batch, TrainBatch):
         raise TypeError(f"batch must be a TrainBatch (see make_batch), got "
                         f"{type(batch).__name__}")
-    if max_policy_lag is not None:
-        max_policy_lag = as_count(max_policy_lag, "max_policy_lag")
-    clip_eps = as_real(clip_eps, "clip_eps", minimum=0.0, open_min=True)
-    if not isinstance(correction, str):
-        raise TypeError(f"correction must be a str, got {type(correction).__name__} "
-                        f"{correction!r:.80}")
-    if correction not in CORRECTIONS:
-        raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r:.80}")
-    is_cap = as_real(is_cap, "is_cap", minimum=1.0)
-    if dual_clip is not None:
-        dual_clip = as_real(dual_clip, "dual_clip", minimum=1.0, open_min=True)
+    if config is not None and not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    cfg = dataclasses.replace(config or TrainConfig(), **options)
+    if cfg.kl_beta > 0 and ref_params is None:
+        raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
     version = as_version(state.version, "state.version")
-    if version == MAX_VERSION:
-        raise VersionError(f"state.version {version} is the largest int32 version; another "
-                           f"update would overflow")
-    lr = float(state.lr_schedule(version))
-    if not np.isfinite(lr):
-        raise ValueError(f"lr_schedule({version}) = {lr} is not finite")
-    behavior = np.asarray(batch.behavior_version)  # [N] oldest token version of each sample
-    oldest, newest = int(behavior.min()), int(behavior.max())
-    if max_policy_lag is not None and version - oldest > max_policy_lag:
+    if version > MAX_VERSION - cfg.updates:
+        raise VersionError(f"state.version {version} + {cfg.updates} updates would pass the "
+                           f"largest int32 version {MAX_VERSION}")
+    lrs = [float(state.lr_schedule(version + i)) for i in range(cfg.updates)]
+    for i, lr in enumerate(lrs):
+        if not (np.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr_schedule({version + i}) = {lr} must be finite and >= 0")
+    oldest, newest = int(batch.behavior_version.min()), max(
+        int(v.max()) for v in batch.token_versions)
+    if cfg.max_policy_lag is not None and version - oldest > cfg.max_policy_lag:
         raise StalenessError(
-            f"batch sample {int(behavior.argmin())} has a token of version {oldest}, "
-            f"{version - oldest} updates behind the trainer (version {version}); "
-            f"max_policy_lag={max_policy_lag}")
+            f"batch sample {int(batch.behavior_version.argmin())} has a token of version "
+            f"{oldest}, {version - oldest} updates behind the trainer (version {version}); "
+            f"max_policy_lag={cfg.max_policy_lag}")
     if newest > version:
-        raise StalenessError(f"batch has samples from version {newest}, newer than the "
+        raise StalenessError(f"batch has a token of version {newest}, newer than the "
                              f"trainer ({version})")
-    params, opt_state, new_version, metrics = _train_core(
-        state.params, state.opt_state, state.version, batch, jnp.float32(lr),
-        jnp.float32(clip_eps), None if dual_clip is None else jnp.float32(dual_clip),
-        jnp.float32(is_cap), tx=state.tx, config=state.config, correction=correction)
+    ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
+                                             if a in mesh.shape)
+    packed = pack_batch(batch, cfg, row_multiple=ways)
+    knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
+    layout = None
+    if mesh is not None:
+        axes = tuple(a for a in (DATA, FSDP) if a in mesh.shape)
+        packed = jax.device_put(packed, NamedSharding(mesh, P(None, None, axes or None)))
+        layout = jax.tree.map(lambda x: x.sharding, state)
+    statics = dict(config=state.config, kind=kind, cfg=_structure(cfg))
+    with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+        proximal = ref = None
+        if cfg.correction == "decoupled" and cfg.updates > 1:
+            proximal = _score(state.params, packed, knobs, **statics)
+        if cfg.kl_beta > 0:
+            ref = _score(ref_params, packed, knobs, **statics)
+        nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
+                    kl_beta=jnp.float32(cfg.kl_beta),
+                    dual_clip=None if cfg.dual_clip is None else jnp.float32(cfg.dual_clip))
+        core = _train_jit_donating if cfg.donate else _train_jit
+        params, opt_state, new_version, metrics, ok = core(
+            state.params, state.opt_state, state.version, packed, proximal, ref, knobs,
+            jnp.asarray(lrs, jnp.float32), nums, tx=state.tx, **statics)
     new_state = state.replace(params=params, opt_state=opt_state, version=new_version)
-    loss, grad_norm, newest_token = jax.device_get(
-        (metrics["loss"], metrics["grad_norm"], metrics["newest_token_version"]))
-    if int(newest_token) > version:
-        raise StalenessError(f"batch has a token of version {int(newest_token)}, newer than "
-                             f"the trainer ({version})")
-    loss, grad_norm = float(loss), float(grad_norm)
-    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-        raise ValueError(f"train step at version {version} produced loss {loss}, gradient "
-                         f"norm {grad_norm}; refusing to return non-finite params")
-    return new_state, metrics
+    if layout is not None:
+        new_state = jax.device_put(new_state, layout)
+    if not bool(ok):  # the one host read of the step
+        loss, norm = jax.device_get((metrics["loss"], metrics["grad_norm"]))
+        raise NonFiniteUpdate(f"train step at version {version} produced loss {loss.tolist()}, "
+                              f"gradient norm {norm.tolist()}; refusing to return non-finite "
+                              f"params", new_state)
+    return new_state, _summary(metrics, version, cfg.updates)

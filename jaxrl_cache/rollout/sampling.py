@@ -34,7 +34,8 @@ class SamplingParams:
 
     def __post_init__(self):
         """Checks and normalises every knob (numpy scalars become Python numbers): integers
-        must be real integers (not bools, not 2.5), reals finite. Stop ids must be a sequence
+        must be real integers (not bools, not 2.5), reals finite; top_k fits an int32 (any
+        top_k >= the vocabulary keeps every token). Stop ids must be a sequence
         of non-negative integers; the engine checks them against its vocabulary. Stop strings
         must be a sequence (not a bare str) of non-empty strings."""
         norm = dict(n=as_count(self.n, "n", minimum=1),
@@ -42,7 +43,7 @@ class SamplingParams:
                     temperature=as_real(self.temperature, "temperature", minimum=0.0),
                     top_p=as_real(self.top_p, "top_p", minimum=0.0, maximum=1.0,
                                   open_min=True),
-                    top_k=as_count(self.top_k, "top_k"))
+                    top_k=as_count(self.top_k, "top_k", maximum=2**31 - 1))
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got "
@@ -98,26 +99,60 @@ def _filtered(scaled, top_p, top_k, sorted_desc):
     return jnp.where(keep, scaled, -jnp.inf)
 
 
+FILTERS = ("none", "top_k", "sort")  # the distribution's filter, cheapest first
+
+
+def filter_kind(temperature: float, top_p: float, top_k: int, vocab: int) -> str:
+    """The filter a sampling setting needs (host-side, static; the branch
+    `behavior_log_probs` selects at run time): "none" (greedy, or neither top-k nor top-p:
+    a plain log-softmax), "top_k" (0 < top_k <= TOP_K_CAP: `lax.top_k`, top-p applied
+    within it), or "sort" (top-p without top-k, or a larger top_k: a full-vocab sort)."""
+    if temperature <= 0 or (top_k <= 0 and top_p >= 1.0):
+        return "none"
+    if 0 < top_k <= min(TOP_K_CAP, vocab):
+        return "top_k"
+    return "sort"
+
+
+def _filter(kind: str, scaled, top_p, top_k):
+    """scaled f32 [..., V] -> the same with tokens outside the top-k / top-p set at -inf."""
+    if kind == "none":
+        return scaled
+    if kind == "top_k":
+        cap = min(TOP_K_CAP, scaled.shape[-1])
+        return _filtered(scaled, top_p, top_k,
+                         per_batch_shard(lambda r: jax.lax.top_k(r, cap)[0], scaled))
+    return _filtered(scaled, top_p, top_k, -jnp.sort(-scaled, axis=-1))
+
+
+def warped_logits(logits, temperature, top_p, top_k, kind: str):
+    """logits f32 [..., V] -> logits of the sampling distribution (-inf outside it) for a
+    static filter `kind` (see filter_kind; "none" ignores top_p/top_k). temperature, top_p
+    f32 []; top_k int32 [] (0 = off)."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    if kind == "none":
+        return scaled
+    use_k = (top_k > 0) & ~greedy
+    return jnp.where(greedy, scaled, _filter(kind, scaled, top_p, jnp.where(use_k, top_k, 0)))
+
+
 def behavior_log_probs(logits, temperature, top_p, top_k):
     """logits f32 [..., V] -> log-probs [..., V] of the sampling distribution (see module doc).
 
-    temperature, top_p f32 scalars; top_k int32 scalar (0 = off). Only the branch the knobs
-    select runs: plain log-softmax without filtering (no sort), `lax.top_k` for
-    0 < top_k <= TOP_K_CAP, a full sort for top-p alone or a larger top_k.
+    temperature, top_p f32 scalars; top_k int32 scalar (0 = off), traced: the sampler picks
+    the filter at run time with `lax.switch`, so only the branch the knobs select runs.
+    Scorers that know the setting statically use `warped_logits(..., filter_kind(...))`,
+    which computes the same values without compiling the other branches.
     """
     greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
-    vocab = logits.shape[-1]
-    cap = min(TOP_K_CAP, vocab)
+    cap = min(TOP_K_CAP, logits.shape[-1])
     use_k = (top_k > 0) & ~greedy
     use_p = (top_p < 1.0) & ~greedy
     branch = jnp.where(~use_k & ~use_p, 0, jnp.where(use_k & (top_k <= cap), 1, 2))
-    filtered = jax.lax.switch(branch, [
-        lambda s: s,
-        lambda s: _filtered(s, top_p, top_k,
-                            per_batch_shard(lambda r: jax.lax.top_k(r, cap)[0], s)),
-        lambda s: _filtered(s, top_p, jnp.where(use_k, top_k, 0), -jnp.sort(-s, axis=-1)),
-    ], scaled)
+    filtered = jax.lax.switch(
+        branch, [lambda l, kind=kind: warped_logits(l, temperature, top_p, top_k, kind)
+                 for kind in FILTERS], logits)
     return jax.nn.log_softmax(filtered, axis=-1)
 
 

@@ -1,0 +1,76 @@
+"""Teacher-forced log-probs without the [N, L, V] logits: one function for the loss, the
+audit, the reference policy and SFT.
+
+The decoder runs to its last hidden states; the LM head, the sampler's temperature /
+top-k / top-p warp (`rollout.sampling.warped_logits`, the very function behind the
+recorded behavior log-probs) and the log-softmax then run per chunk of positions in a
+rematerialised `lax.scan`, so at most [B, chunk, V] logits exist at a time, in the forward
+and in the backward pass. The filter is static (`filter_kind` of the batch's sampling
+setting): a step sampled without top-p compiles no full-vocab sort.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.models.llama import hidden_states, lm_logits
+from jaxrl_cache.rollout.sampling import SamplingParams, filter_kind, warped_logits
+
+LOGPROB_CHUNK = 512  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
+
+
+def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *, kind: str,
+                    positions=None, segments=None, remat: str = "none",
+                    chunk: int = LOGPROB_CHUNK):
+    """log p(targets[b, t] | tokens[b, :t+1]) under the warped distribution -> f32 [B, T].
+
+    tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
+    where unused); positions, segments int32 [B, T] or None (see `hidden_states`); knobs:
+    temperature, top_p f32 [], top_k int32 []; kind: `filter_kind` of those knobs (static).
+    A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
+    """
+    x = hidden_states(params, config, tokens, positions, segments, remat=remat)
+    batch, length = tokens.shape
+    width = max(1, min(length, chunk // batch))  # columns per chunk
+    steps = -(-length // width)
+    pad = steps * width - length
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    xs = x.reshape(batch, steps, width, -1).swapaxes(0, 1)  # [steps, B, width, d]
+    ts = targets.reshape(batch, steps, width).swapaxes(0, 1)  # [steps, B, width]
+
+    @jax.checkpoint
+    def chunk_log_probs(_, xt):
+        xc, tc = xt
+        logits = warped_logits(lm_logits(params, config, xc), knobs["temperature"],
+                               knobs["top_p"], knobs["top_k"], kind)  # [B, width, V]
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return None, picked - jax.nn.logsumexp(logits, axis=-1)
+
+    _, logp = jax.lax.scan(chunk_log_probs, None, (xs, ts))
+    return logp.swapaxes(0, 1).reshape(batch, steps * width)[:, :length]
+
+
+def knobs_of(sampling: SamplingParams, vocab: int) -> tuple[dict, str]:
+    """(traced knobs, static filter kind) of a sampling setting."""
+    return sampling.as_arrays(), filter_kind(sampling.temperature, sampling.top_p,
+                                             sampling.top_k, vocab)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kind", "chunk"))
+def _next_token_log_probs(params, tokens, knobs, *, config, kind, chunk):
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    return token_log_probs(params, config, tokens, targets, knobs, kind=kind,
+                           chunk=chunk)[:, :-1]
+
+
+def next_token_log_probs(params, config: ModelConfig, tokens, sampling: SamplingParams, *,
+                         chunk: int = LOGPROB_CHUNK):
+    """tokens int32 [N, L] (rows from position 0) -> f32 [N, L-1]: the log-prob of token t+1
+    at position t under `sampling`'s distribution (jitted; used by the audit and tests)."""
+    knobs, kind = knobs_of(sampling, config.vocab_size)
+    return _next_token_log_probs(params, jnp.asarray(tokens, jnp.int32), knobs, config=config,
+                                 kind=kind, chunk=chunk)

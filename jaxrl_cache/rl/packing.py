@@ -1,0 +1,130 @@
+"""Samples packed into micro-batches under a token budget.
+
+Sequences are packed first-fit-decreasing into rows of R tokens (several per row: segment
+ids keep attention inside a sequence, positions restart at 0), rows are grouped into M
+micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
+shape [U, M, B, R], so one compiled step serves every micro-batch. R is the longest
+sequence rounded up to 32, or twice that when it packs tighter; B is as small as the rows
+need (`rows_bucket`), so computed / real tokens stays near 1 (`PackedBatch.computed_tokens`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+
+ROW_ALIGN = 32
+
+
+@flax.struct.dataclass
+class PackedBatch:
+    """Per-position arrays, all [U, M, B, R] (U mini-batches x M micro-batches x B rows x R).
+
+    targets[..., t] is the token position t predicts (same segment); weights[..., t] > 0
+    exactly where it is a sampled output token, and is that token's share of its
+    mini-batch's loss (the loss aggregation, summing to its normaliser); behavior, versions
+    and advantages are the recorded log-prob, version and advantage of that target.
+    """
+    tokens: jax.Array  # int32
+    positions: jax.Array  # int32, restarting per sequence
+    segments: jax.Array  # int32, 0 = padding, k = k-th sequence of the row
+    targets: jax.Array  # int32
+    weights: jax.Array  # f32
+    behavior: jax.Array  # f32
+    versions: jax.Array  # int32
+    advantages: jax.Array  # f32
+
+    @property
+    def computed_tokens(self) -> int:
+        return int(np.prod(self.tokens.shape))
+
+
+def _first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Indices of `lengths` packed first-fit decreasing into rows of `capacity`."""
+    rows, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def rows_bucket(n: int) -> int:
+    """Rows per micro-batch: exact up to 16, then four significant bits (18, 20, ..., 32,
+    36, ...): few distinct shapes, under 12.5% padding rows."""
+    return n if n <= 16 else _round_up(n, 1 << (n.bit_length() - 4))
+
+
+def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1):
+    """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`.
+
+    Raises ValueError if one sequence cannot fit the budget. row_multiple: B is a multiple
+    of it (a mesh splitting rows)."""
+    longest = max(int(l.max()) for l in lengths_per_part)
+    if longest > token_budget:
+        raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
+                         f"({token_budget} per micro-batch); raise token_budget to at least "
+                         f"{_round_up(longest, ROW_ALIGN)}")
+    best = None
+    for width in (_round_up(longest, ROW_ALIGN), 2 * _round_up(longest, ROW_ALIGN)):
+        if width > token_budget and best is not None:
+            break
+        width = min(width, token_budget)
+        rows = [_first_fit(l, width) for l in lengths_per_part]
+        most = max(len(r) for r in rows)
+        per_micro = max(1, token_budget // width) // row_multiple * row_multiple or row_multiple
+        micro = -(-most // per_micro)
+        per_micro = _round_up(rows_bucket(-(-most // micro)), row_multiple)
+        cost = len(rows) * micro * per_micro * width
+        if best is None or cost < best[0]:
+            best = (cost, width, micro, per_micro, rows)
+    return best[1:]
+
+
+def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, *,
+         parts: list[np.ndarray], token_budget: int, row_multiple: int = 1) -> PackedBatch:
+    """Packs samples into a PackedBatch.
+
+    sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
+    versions, weights: per sample [L_i - prompt_i] (recorded log-prob, version and loss
+    weight of each output token); advantages f32 [N]; parts: sample indices of each
+    mini-batch (in order).
+    """
+    lengths = np.array([len(s) for s in sequences])
+    width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
+                                         row_multiple)
+    shape = (len(parts), micro, per_micro, width)
+    out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
+                       else np.int32)
+           for k in ("tokens", "positions", "segments", "targets", "weights", "behavior",
+                     "versions", "advantages")}
+    for u, (part, part_rows) in enumerate(zip(parts, rows)):
+        for r, members in enumerate(part_rows):
+            m, b = divmod(r, per_micro)
+            at = 0
+            for k, local in enumerate(members, 1):
+                i = int(part[local])
+                seq, p = np.asarray(sequences[i]), int(prompt_lengths[i])
+                n, o = len(seq), len(seq) - p
+                row = (u, m, b)
+                out["tokens"][row][at:at + n] = seq
+                out["positions"][row][at:at + n] = np.arange(n)
+                out["segments"][row][at:at + n] = k
+                out["targets"][row][at:at + n - 1] = seq[1:]
+                out["advantages"][row][at + p - 1:at + n - 1] = advantages[i]
+                for key, value in (("weights", weights), ("behavior", behavior),
+                                   ("versions", versions)):
+                    out[key][row][at + p - 1:at + p - 1 + o] = value[i]
+                at += n
+    return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
