@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import tokenizers
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from jaxrl_cache.models import from_pretrained, load_tokenizer
 from jaxrl_cache.models.tokenizer import Tokenizer
@@ -197,12 +197,18 @@ TOKENIZERS = {"bytes": byte_tokenizer(), "metaspace": metaspace_tokenizer()}
 @pytest.mark.parametrize("kind", TOKENIZERS)
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(CHARS, min_size=1, max_size=24),
-       stops=st.lists(st.text(CHARS, min_size=1, max_size=3), min_size=1, max_size=3),
+       stops=st.lists(st.text(CHARS + "\ufffd", min_size=1, max_size=3), min_size=1,
+                      max_size=3),
        include=st.booleans(), chunk=st.integers(1, 7))
+# the first byte of "é" decodes to U+FFFD: a stop string holding it ends at that token (the
+# search used to wait for the character to complete and keep one token too many)
+@example(text="aé", stops=["\ufffd"], include=False, chunk=1)
+@example(text="é✓b", stops=["é\ufffd"], include=True, chunk=3)
 def test_incremental_stop_search_matches_the_brute_force_reference(kind, text, stops, include,
                                                                    chunk):
     """Tokens arrive in chunks; the row is cut and its text equals the reference's, also
-    for stop strings and characters split across byte tokens."""
+    for stop strings and characters split across byte tokens, and stop strings holding the
+    U+FFFD an incomplete character decodes to."""
     tok = TOKENIZERS[kind]
     ids = tok.encode(text)
     rows = RowText(tok, SamplingParams(stop=tuple(stops),
@@ -254,6 +260,12 @@ def test_bad_text_inputs_are_refused_before_any_work(model):
     refuses(engine, [""], ValueError, "prompt 0 is empty")
     refuses(engine, [ids, [{"role": "user"}]], ValueError, "prompt 1: message 0 has no 'content'")
     refuses(engine, [[{"role": 1, "content": "x"}]], TypeError, "role must be a str")
+    for content in (None, 3, ["x"]):  # used to fail inside the template, naming no prompt
+        refuses(engine, [ids, [{"role": "user", "content": content}]], TypeError,
+                "prompt 1: message 0 content must be a str")
+    # content parts are passed on, but this ChatML template concatenates content as text
+    refuses(engine, [[{"role": "user", "content": [{"type": "text", "text": "x"}]}]],
+            ValueError, "prompt 0: the chat template failed on these messages: TypeError")
     no_template = Tokenizer(tok.backend, {}, None, ())
     refuses(make_engine(model, tokenizer=no_template), [[{"role": "user", "content": "x"}]],
             ValueError, "chat_template")

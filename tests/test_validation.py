@@ -76,6 +76,9 @@ def test_versions_are_bounded_to_int32():
     (dict(top_k=2.5), TypeError, "top_k must be an integer"),
     (dict(top_k=NAN), TypeError, "top_k must be an integer"),
     (dict(top_k=-1), ValueError, "top_k"),
+    # an int32 on the device: 2**40 used to reach the rollout and raise OverflowError there
+    (dict(top_k=2**40), ValueError, r"top_k must be in \[0, 2147483647\]"),
+    (dict(top_k=np.int64(2**31)), ValueError, r"top_k must be in \[0, 2147483647\]"),
     (dict(n=True), TypeError, "n must be an integer, got bool"),
     (dict(n=0), ValueError, "n must be >= 1"), (dict(n=2.0), TypeError, "n must be"),
     (dict(max_new_tokens=False), TypeError, "max_new_tokens"),

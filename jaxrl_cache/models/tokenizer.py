@@ -20,6 +20,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from jaxrl_cache.models.hf import ModelFileError, read_json
+
 
 def _token(value) -> str | None:
     """A special token from tokenizer_config.json: a string or an AddedToken dict."""
@@ -88,9 +90,11 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save(self, path) -> None:
-        """Writes tokenizer.json and tokenizer_config.json (chat template included)."""
+        """Writes tokenizer.json and tokenizer_config.json (chat template included); removes
+        a chat_template.jinja of an earlier save, which load_tokenizer would prefer."""
         path = pathlib.Path(path)
         self.backend.save(str(path / "tokenizer.json"))
+        (path / "chat_template.jinja").unlink(missing_ok=True)
         config = dict(self.tokenizer_config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
@@ -98,22 +102,47 @@ class Tokenizer:
                                                                ensure_ascii=False))
 
 
+def _stop_ids(file: pathlib.Path) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list of ints; [] if absent)."""
+    generation = read_json(file) if file.exists() else {}
+    eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise ModelFileError(f"{file} field eos_token_id={eos!r:.100}: expected a token id "
+                             f"or a list of token ids")
+    return ids
+
+
 def load_tokenizer(path) -> Tokenizer:
     """The Tokenizer of a Hugging Face model directory: tokenizer.json, tokenizer_config.json,
-    chat_template.jinja (if present, it wins), generation_config.json (stop ids)."""
+    chat_template.jinja (if present, it wins), generation_config.json (stop ids). A broken
+    file raises ModelFileError naming it (and the field)."""
     path = pathlib.Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are "
                                 f"supported)")
-    backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # the Rust library raises a bare Exception
+        raise ModelFileError(f"{path / 'tokenizer.json'}: not a readable tokenizer "
+                             f"({str(e).splitlines()[0]})") from None
     config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json(config_file) if config_file.exists() else {}
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{config_file}: expected a JSON object, got "
+                             f"{type(config).__name__}")
     template = config.pop("chat_template", None)
     if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
-        template = {t["name"]: t["template"] for t in template}.get("default")
+        template = {t.get("name"): t.get("template") for t in template
+                    if isinstance(t, dict)}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{config_file} field chat_template: expected a string")
     if (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
-    generation = path / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-    stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return Tokenizer(backend, config, template, stop)
+    try:
+        return Tokenizer(backend, config, template, _stop_ids(path / "generation_config.json"))
+    except jinja2.TemplateSyntaxError as e:
+        source = "chat_template.jinja" if (path / "chat_template.jinja").exists() else \
+            "tokenizer_config.json"
+        raise ModelFileError(f"{path / source}: chat_template line {e.lineno}: {e.message}") \
+            from None

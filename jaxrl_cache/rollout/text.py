@@ -11,9 +11,15 @@ Stop strings are checked on the host between decode chunks, so compiled shapes n
 change: a row keeps generating on the device until its chunk ends (up to chunk_steps - 1
 tokens are computed and discarded). A row is cut after the output token whose decoded
 text first contains a stop string (skip_special_tokens decoding: use stop_token_ids for
-special tokens); its tokens and logprobs keep that token. Text is decoded incrementally
-(the vLLM scheme: a few tokens of context, a delta only once it is valid UTF-8), so each
-token costs one or two decodes of a short window, and only when stop strings are set.
+special tokens); its tokens and logprobs keep that token. That text is the decode of the
+output so far, so a prefix ending in an incomplete UTF-8 character shows its U+FFFD (a stop
+string may contain one). Text is decoded incrementally (the vLLM scheme: a few tokens of
+context, a delta kept only once it is valid UTF-8), so each token costs one or two decodes
+of a short window, and only when stop strings are set.
+
+Chat message content must be a str or a list of content-part dicts (templates such as
+Llama 3's render {"type": "text", "text": ...} parts); a template that fails on a prompt
+raises ValueError naming the prompt.
 """
 from __future__ import annotations
 
@@ -53,6 +59,25 @@ def _check_messages(i: int, messages) -> None:
         if not isinstance(m["role"], str):
             raise TypeError(f"prompt {i}: message {k} role must be a str, got "
                             f"{type(m['role']).__name__}")
+        content = m["content"]
+        if not (isinstance(content, str) or isinstance(content, list) and all(
+                isinstance(part, dict) for part in content)):
+            raise TypeError(f"prompt {i}: message {k} content must be a str (or a list of "
+                            f"content-part dicts), got {type(content).__name__} "
+                            f"{content!r:.80}")
+
+
+def _render_chat(tokenizer: Tokenizer, i: int, messages) -> list[int]:
+    """The ids of chat prompt `i`; a template that fails on it (e.g. one that concatenates
+    content parts as text) raises ValueError naming the prompt."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"prompt {i} is chat messages, but the tokenizer has no chat_template "
+                         f"(tokenizer_config.json or chat_template.jinja)")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # the template is arbitrary code: any failure is about this prompt
+        raise ValueError(f"prompt {i}: the chat template failed on these messages: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _check_stop(tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
@@ -88,7 +113,7 @@ def encode_prompts(tokenizer: Tokenizer | None, prompts, sampling) -> Sequence:
             p = tokenizer.encode(p)
         elif _is_messages(p):
             _check_messages(i, p)
-            p = tokenizer.apply_chat_template(p, add_generation_prompt=True)
+            p = _render_chat(tokenizer, i, p)
         out.append(p)
     return out
 
@@ -125,19 +150,21 @@ class RowText:
         while s.cut is None and s.read < len(tokens):
             s.read += 1
             window = decode(tokens[s.prefix:s.read])
-            if len(window) <= len(s.before) or window.endswith("\ufffd"):
-                continue  # nothing new, or an incomplete UTF-8 sequence: wait
-            delta = window[len(s.before):]
-            s.prefix, s.offset = s.offset, s.read
-            s.before = decode(tokens[s.prefix:s.offset])
+            if len(window) <= len(s.before):
+                continue  # nothing new
+            # decode(tokens[:read]), a trailing U+FFFD (an incomplete UTF-8 sequence) included:
+            # a stop string may end in it, as in the text of this prefix
+            text = s.text + window[len(s.before):]
             start = max(0, len(s.text) - self.longest + 1)  # no stop string before it
-            s.text += delta
-            hits = [(at, -len(stop)) for stop in self.stop
-                    if (at := s.text.find(stop, start)) >= 0]
+            hits = [(at, -len(stop)) for stop in self.stop if (at := text.find(stop, start)) >= 0]
             if hits:
                 at, neg = min(hits)  # earliest start; the longer one on a tie
-                s.cut = at - neg if self.include else at
+                s.text, s.cut = text, at - neg if self.include else at
                 return s.read
+            if not window.endswith("\ufffd"):  # valid UTF-8: the delta is final
+                s.prefix, s.offset = s.offset, s.read
+                s.before = decode(tokens[s.prefix:s.offset])
+                s.text = text
         return None
 
     def stop_rows(self, slots: list, done: list[int]) -> list[int]:
