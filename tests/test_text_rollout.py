@@ -163,7 +163,7 @@ def test_cut_rows_leave_a_consistent_cache_audit_and_batch(model):
         report = audit_attribution(batch, {0: params}, config, tolerance=1e-4)
         assert report.ok, report
     train = make_batch(first, np.arange(len(first.samples), dtype=np.float32))
-    assert float(train.loss_mask.sum()) == first.generated_tokens
+    assert sum(len(b) for b in train.behavior_logprobs) == first.generated_tokens
 
 
 # ---------------------------------------------------------------- incremental decoding

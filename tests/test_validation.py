@@ -5,6 +5,7 @@ import math
 import tempfile
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -14,7 +15,8 @@ from jaxrl_cache.errors import (CacheFullError, PinnedPagesError, StalenessError
                                 VersionError)
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from jaxrl_cache.rl.train import TrainState, make_batch, optimizer_counts, train_step
+from jaxrl_cache.rl.train import (NonFiniteUpdate, TrainState, make_batch, optimizer_counts,
+                                  train_step)
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -127,7 +129,7 @@ def test_cache_config_refused(kwargs, error, match):
     (ROLLOUTS, [1.0], ValueError, r"rewards must be \[N=2\]"),
     (ROLLOUTS, ["a", "b"], TypeError, "rewards must be numbers"),
     (rollout_batch([sample([1, 2], [3, 4], logprobs=[-1.0, NAN])]), [1.0], ValueError,
-     "sample 0 has non-finite behavior logprobs"),
+     "sample 0 has non-finite or misshapen behavior logprobs"),
     (rollout_batch([sample([1, 2], [3, 4]), dataclasses.replace(
         sample([1, 2], [3, 4]), token_versions=np.zeros(3, np.int64))]), [1.0, 0.0], ValueError,
      r"sample 1: token_versions must be integers \[2\]"),
@@ -171,12 +173,24 @@ def test_train_step_refuses_none_nan_lr_overflow_and_nan_results(state, batch):
         with pytest.raises(ValueError, match=r"lr_schedule\(2\) = (nan|inf)"):
             train_step(bad_lr, batch)
     last = TrainState.create(state.params, config=CONFIG, version=MAX_VERSION)
-    with pytest.raises(VersionError, match="overflow"):
+    with pytest.raises(VersionError, match="would pass the largest int32 version"):
         train_step(last, batch)
+    with pytest.raises(ValueError, match="lr_schedule must be finite and >= 0"):
+        TrainState.create(state.params, config=CONFIG, lr_schedule=-1e-3)
+    with pytest.raises(ValueError, match=r"lr_schedule\(0\) = -0.001 must be finite and >= 0"):
+        train_step(TrainState.create(state.params, config=CONFIG,
+                                     lr_schedule=lambda v: -1e-3 + 0 * v), batch)
     # a batch whose importance ratios overflow: the step raises instead of returning NaN params
-    poisoned = batch.replace(behavior_logprobs=batch.behavior_logprobs - 1e38 * batch.loss_mask)
-    with pytest.raises(ValueError, match="non-finite params"):
-        train_step(state, poisoned)
+    poisoned = dataclasses.replace(batch, behavior_logprobs=tuple(
+        b - 1e38 for b in batch.behavior_logprobs))
+    own = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=1e-3)
+    for donate in (False, True):
+        with pytest.raises(NonFiniteUpdate, match="non-finite params") as failed:
+            train_step(own, poisoned, donate=donate)
+        own = failed.value.state  # the input state, whole even when its buffers were donated
+        assert int(own.version) == 0 and optimizer_counts(own.opt_state) == [0]
+        for x, y in zip(jax.tree.leaves(own.params), jax.tree.leaves(varied_params(0))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert int(state.version) == 0 and optimizer_counts(state.opt_state) == [0]
     good, m = train_step(state, batch, max_policy_lag=np.int64(0))
     assert int(good.version) == 1 and math.isfinite(float(m["loss"]))
@@ -233,15 +247,18 @@ def test_junk_configs(field, value):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["rollouts", "rewards", "length", "state", "batch", "lag", "clip",
+@given(which=st.sampled_from(["rollouts", "rewards", "budget", "state", "batch", "lag", "clip",
                               "dual", "correction", "is_cap", "audit_batch", "audit_params",
-                              "audit_tol"]),
+                              "audit_tol", "loss_type", "mini_batches", "kl_beta"]),
        value=JUNK)
 def test_junk_training_entry_points(state, batch, which, value):
     calls = {
         "rollouts": lambda: make_batch(value, [1.0, 0.0]),
         "rewards": lambda: make_batch(ROLLOUTS, value),
-        "length": lambda: make_batch(ROLLOUTS, [1.0, 0.0], length=value),
+        "budget": lambda: train_step(state, batch, token_budget=value),
+        "loss_type": lambda: train_step(state, batch, loss_type=value),
+        "mini_batches": lambda: train_step(state, batch, mini_batches=value),
+        "kl_beta": lambda: train_step(state, batch, kl_beta=value, ref_params=state.params),
         "state": lambda: train_step(value, batch),
         "batch": lambda: train_step(state, value),
         "lag": lambda: train_step(state, batch, max_policy_lag=value),
