@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-full bench setup clean
+.PHONY: demo test test-full bench setup real-model clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,25 @@ test-full: setup
 bench: setup
 	$(BIN)/python -m pytest benchmarks --benchmark-only
 	$(BIN)/python -m benchmarks.engine_v2
+
+# The real-model fixture (scripts/fetch_smollm2.py: SmolLM2-135M-Instruct in
+# ~/.cache/jaxrl_cache, or $JAXRL_SMOLLM2_DIR) built in a torch CPU venv, which then runs the
+# slow real-model tests against transformers. torch must be exactly 2.13.0 (the local wheel).
+TORCH_VENV ?= .venv-torch
+TORCH_BIN := $(TORCH_VENV)/bin
+
+$(TORCH_VENV)/.installed:
+	$(PY) -m venv $(TORCH_VENV)
+	$(TORCH_BIN)/pip install -q torch==2.13.0 transformers gguf accelerate safetensors \
+		tokenizers numpy jinja2
+	$(TORCH_BIN)/pip install -q jax jaxlib flax optax orbax-checkpoint tqdm matplotlib \
+		pytest hypothesis
+	$(TORCH_BIN)/pip install -q -e . --no-deps
+	touch $@
+
+real-model: $(TORCH_VENV)/.installed
+	$(TORCH_BIN)/python scripts/fetch_smollm2.py
+	$(TORCH_BIN)/python -m pytest tests/test_real_model.py -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .benchmarks
