@@ -24,6 +24,7 @@ from the repository root (the team's venv is /work/torchvenv):
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -37,6 +38,9 @@ DEFAULT_DIR = "~/.cache/jaxrl_cache/SmolLM2-135M-Instruct"
 # what a complete directory holds (the model and what load_tokenizer reads)
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json")
+
+
+CONVERTERS = ("torch", "transformers", "gguf", "accelerate")  # what the conversion imports
 
 
 class FetchError(RuntimeError):
@@ -72,12 +76,8 @@ def download_gguf(work: pathlib.Path) -> pathlib.Path:
 
 def convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     """GGUF -> float32 HF directory (weights dequantized, quantizer attributes cleared)."""
-    try:
-        import torch
-        import transformers as tf
-    except ImportError as e:
-        raise FetchError(f"{e.name} is not installed: run this in the torch venv (see "
-                         f"{__file__}'s docstring)") from None
+    import torch
+    import transformers as tf
     print("dequantizing with transformers ...", flush=True)
     kw = dict(gguf_file=gguf.name)
     model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -96,10 +96,16 @@ def main() -> int:
     if is_complete(target):
         print(f"{target} is present; nothing to do")
         return 0
-    if target.exists():
+    if target.exists() and any(target.iterdir()):  # an empty one is replaced
         missing = [name for name in REQUIRED if not (target / name).is_file()]
         print(f"fetch_smollm2: error: {target} exists but lacks {', '.join(missing)}; remove "
               f"it (or set JAXRL_SMOLLM2_DIR elsewhere)", file=sys.stderr)
+        return 1
+    missing = [name for name in CONVERTERS if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"fetch_smollm2: error: {sys.executable} lacks {', '.join(missing)}: run this in "
+              f"the torch venv (`make real-model`, or see this script's docstring)",
+              file=sys.stderr)
         return 1
     partial = target.with_name(target.name + ".partial")
     try:
