@@ -3,9 +3,11 @@
 Sequences are packed first-fit-decreasing into rows of R tokens (several per row: segment
 ids keep attention inside a sequence, positions restart at 0), rows are grouped into M
 micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
-shape [U, M, B, R], so one compiled step serves every micro-batch. R is the longest
-sequence rounded up to 32, or twice that when it packs tighter; B is as small as the rows
-need (`rows_bucket`), so computed / real tokens stays near 1 (`PackedBatch.computed_tokens`).
+shape [U, M, B, R], so one compiled step serves every micro-batch. R is a multiple (1-4x,
+at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to 32,
+whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-batches are
+balanced by tokens (`balanced_parts`). So computed / real tokens stays near 1
+(`PackedBatch.computed_tokens`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 ROW_ALIGN = 32
+MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
 
 
 @flax.struct.dataclass
@@ -66,6 +69,21 @@ def rows_bucket(n: int) -> int:
     return n if n <= 16 else _round_up(n, 1 << (n.bit_length() - 4))
 
 
+def balanced_parts(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Sample indices of `parts` mini-batches of sizes differing by at most one and
+    near-equal token counts (longest first, each to the lightest part with room); each
+    part sorted."""
+    size = -(-len(lengths) // parts)
+    small = size * parts - len(lengths)  # parts that get size - 1 samples
+    caps = [size - (k < small) for k in range(parts)]
+    members, tokens = [[] for _ in range(parts)], np.zeros(parts)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = min((k for k in range(parts) if len(members[k]) < caps[k]), key=lambda k: tokens[k])
+        members[k].append(i)
+        tokens[k] += lengths[i]
+    return [np.array(sorted(m)) for m in members]
+
+
 def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1):
     """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`.
 
@@ -77,13 +95,11 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
                          f"({token_budget} per micro-batch); raise token_budget to at least "
                          f"{_round_up(longest, ROW_ALIGN)}")
     best = None
-    for width in (_round_up(longest, ROW_ALIGN), 2 * _round_up(longest, ROW_ALIGN)):
-        if width > token_budget and best is not None:
-            break
-        width = min(width, token_budget)
+    base = _round_up(longest, ROW_ALIGN)
+    for width in range(base, max(base, min(token_budget, MAX_ROW)) + 1, base)[:4]:
         rows = [_first_fit(l, width) for l in lengths_per_part]
         most = max(len(r) for r in rows)
-        per_micro = max(1, token_budget // width) // row_multiple * row_multiple or row_multiple
+        per_micro = max(row_multiple, token_budget // width // row_multiple * row_multiple)
         micro = -(-most // per_micro)
         per_micro = _round_up(rows_bucket(-(-most // micro)), row_multiple)
         cost = len(rows) * micro * per_micro * width

@@ -51,7 +51,7 @@ from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
-from jaxrl_cache.rl.packing import PackedBatch, pack
+from jaxrl_cache.rl.packing import PackedBatch, balanced_parts, pack
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -305,11 +305,11 @@ def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[n
 
 
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
-    """The batch as [mini_batches, M, B, R] micro-batches (samples split in order)."""
+    """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`)."""
     if batch.num_samples < cfg.mini_batches:
         raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
                          f"{batch.num_samples} samples")
-    parts = np.array_split(np.arange(batch.num_samples), cfg.mini_batches)
+    parts = balanced_parts(np.array([len(s) for s in batch.sequences]), cfg.mini_batches)
     weights = [None] * batch.num_samples
     for part in parts:
         for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):

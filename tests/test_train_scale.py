@@ -1,0 +1,268 @@
+"""The trainer at scale, against dense references: chunked log-probs equal the full-logits
+ones, packed rows equal separate rows, micro-batching does not change the update, several
+updates per batch, loss aggregations, KL, padding waste and what the step compiles."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
+from jaxrl_cache.rl.packing import balanced_parts, plan
+from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages_no_std, make_batch,
+                                  optimizer_counts, pack_batch, train_step)
+from jaxrl_cache.rollout.sampling import SamplingParams, filter_kind
+from jaxrl_cache.rollout.types import RolloutBatch, Sample
+from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
+
+SGD = optax.identity()
+_dense = jax.jit(teacher_forced_log_probs, static_argnums=1)
+
+
+def dense_log_probs(params, seq, sp):
+    """Reference: f32 [len(seq) - 1] from the full [L, V] logits."""
+    return np.asarray(_dense(params, CONFIG, jnp.asarray(seq, jnp.int32)[None],
+                             **sp.as_arrays()))[0]
+
+
+def _draw(params, prompt, sp, count, rng):
+    """`count` tokens sampled from the dense model's warped distribution after `prompt`."""
+    seq = list(prompt)
+    for _ in range(count):
+        padded = np.zeros(32, np.int32)
+        padded[:len(seq)] = seq
+        padded[len(seq)] = 1  # scored position: log-probs of every next token at len(seq) - 1
+        logp = np.asarray(_dense_all(params, jnp.asarray(padded)[None], **sp.as_arrays()))[
+            0, len(seq) - 1]
+        p = np.exp(logp - logp.max())
+        seq.append(int(rng.choice(len(p), p=p / p.sum())))
+    return tuple(seq[len(prompt):])
+
+
+@jax.jit
+def _dense_all(params, tokens, temperature, top_p, top_k):
+    from jaxrl_cache.models.llama import forward
+    from jaxrl_cache.rollout.sampling import behavior_log_probs
+    return behavior_log_probs(forward(params, CONFIG, tokens), temperature, top_p, top_k)
+
+
+def rollout(params, sp, *, groups=2, seed=0, prompt_len=(4, 9), output_len=(1, 12),
+            version=0):
+    """Random prompts, outputs drawn from the dense model, behavior log-probs exactly the
+    dense model's (on-policy)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g in range(groups):
+        prompt = tuple(int(t) for t in rng.integers(1, CONFIG.vocab_size,
+                                                    rng.integers(*prompt_len)))
+        for _ in range(sp.n):
+            out = _draw(params, prompt, sp, int(rng.integers(*output_len)), rng)
+            logp = dense_log_probs(params, prompt + out, sp)[len(prompt) - 1:]
+            samples.append(Sample(prompt, out, logp.astype(np.float32), version,
+                                  np.full(len(out), version), 0, "length", g))
+    return RolloutBatch(samples=samples, version=version, sampling=sp, prefill_tokens=0,
+                        reused_tokens=0, cached_tokens=0, decode_steps=0, decode_chunks=0,
+                        prefill_launches=0, seconds=0.0)
+
+
+def rewards(batch):
+    return [float(s.output_ids[0] % 3 == 0) + 0.1 * len(s.output_ids) for s in batch.samples]
+
+
+SETTINGS = [SamplingParams(n=4, temperature=1.0),
+            SamplingParams(n=4, temperature=0.7, top_k=5),
+            SamplingParams(n=4, temperature=0.7, top_k=5, top_p=0.8),
+            SamplingParams(n=4, temperature=1.3, top_p=0.9),
+            SamplingParams(n=4, temperature=0.0)]
+
+
+@pytest.mark.parametrize("sp", SETTINGS, ids=lambda sp: filter_kind(
+    sp.temperature, sp.top_p, sp.top_k, CONFIG.vocab_size) + f"-t{sp.temperature}")
+@pytest.mark.parametrize("chunk", [5, 512])
+def test_chunked_log_probs_equal_the_dense_ones(sp, chunk):
+    params = varied_params(1)
+    tokens = np.random.default_rng(0).integers(1, CONFIG.vocab_size, (3, 20)).astype(np.int32)
+    got = np.asarray(next_token_log_probs(params, CONFIG, tokens, sp, chunk=chunk))
+    ref = np.stack([dense_log_probs(params, row, sp) for row in tokens])
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    np.testing.assert_allclose(got[finite], ref[finite], atol=2e-5)
+
+
+def test_packed_rows_equal_separate_rows():
+    """Three sequences in one row (segments, positions restarting) score as if alone."""
+    params, sp = varied_params(2), SETTINGS[1]
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(1, CONFIG.vocab_size, n).astype(np.int32) for n in (7, 12, 5)]
+    row = np.concatenate(seqs)[None]
+    positions = np.concatenate([np.arange(len(s)) for s in seqs])[None]
+    segments = np.concatenate([np.full(len(s), k + 1) for k, s in enumerate(seqs)])[None]
+    targets = np.concatenate([np.append(s[1:], 0) for s in seqs])[None]
+    knobs = sp.as_arrays()
+    got = np.asarray(token_log_probs(params, CONFIG, jnp.asarray(row), jnp.asarray(targets),
+                                     knobs, kind="top_k", positions=jnp.asarray(positions),
+                                     segments=jnp.asarray(segments), chunk=8))[0]
+    at = 0
+    for s in seqs:
+        np.testing.assert_allclose(got[at:at + len(s) - 1], dense_log_probs(params, s, sp),
+                                   atol=2e-5)
+        at += len(s)
+
+
+def _state(seed=0, lr=1e-2, tx=None):
+    return TrainState.create(varied_params(seed), tx or optax.adam(1.0), config=CONFIG,
+                             lr_schedule=lr)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batches_do_not_change_the_update(loss_type):
+    """Token budgets of the whole batch, 1/4 and 1/16 of it: equal params (fp32)."""
+    sp = dataclasses.replace(SETTINGS[1], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=4)
+    batch = make_batch(rollouts, rewards(rollouts))
+    total = pack_batch(batch, TrainConfig(token_budget=4096)).tokens.size
+    results = []
+    for budget in (total, total // 4, total // 16):
+        cfg = TrainConfig(token_budget=max(budget, 32), loss_type=loss_type)
+        shape = pack_batch(batch, cfg).tokens.shape
+        state, m = train_step(_state(tx=SGD), batch, cfg)
+        results.append((shape, state.params, float(m["loss"])))
+    assert len({shape[1] for shape, _, _ in results}) == 3  # 1, ~4, ~16 micro-batches
+    for _, params, loss in results[1:]:
+        np.testing.assert_allclose(loss, results[0][2], rtol=1e-5, atol=1e-7)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(results[0][1])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_types_against_numpy():
+    """At the first update the ratio is 1, so the loss is -sum(weight x advantage): token
+    mean (dapo), sequence mean of token means (grpo), token sum / (N x max_new_tokens)."""
+    sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=3, seed=3)
+    batch = make_batch(rollouts, rewards(rollouts), advantages=group_advantages_no_std)
+    adv, lens = batch.advantages.astype(np.float64), np.array(
+        [len(b) for b in batch.behavior_logprobs])
+    r = np.array(rewards(rollouts))
+    np.testing.assert_allclose(adv, r - np.repeat(r.reshape(3, 4).mean(1), 4), atol=1e-6)
+    expected = dict(dapo=-(adv * lens).sum() / lens.sum(), grpo=-adv.mean(),
+                    dr_grpo=-(adv * lens).sum() / (len(lens) * sp.max_new_tokens))
+    for loss_type, value in expected.items():
+        _, m = train_step(_state(tx=SGD), batch, loss_type=loss_type)
+        np.testing.assert_allclose(float(m["loss"]), value, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, atol=1e-5)
+
+
+def test_kl_k3_against_the_dense_reference():
+    sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)
+    params, ref = varied_params(0), varied_params(5)
+    rollouts = rollout(params, sp, seed=4)
+    batch = make_batch(rollouts, rewards(rollouts))
+    kls = []
+    for s in rollouts.samples:
+        seq, p = s.prompt_ids + s.output_ids, len(s.prompt_ids)
+        delta = dense_log_probs(ref, seq, sp)[p - 1:] - dense_log_probs(params, seq, sp)[p - 1:]
+        kls.append(np.exp(delta) - delta - 1)
+    kl = np.concatenate(kls)
+    _, plain = train_step(_state(tx=SGD), batch)
+    _, m = train_step(_state(tx=SGD), batch, kl_beta=0.5, ref_params=ref)
+    np.testing.assert_allclose(float(m["kl"]), kl.mean(), rtol=1e-4)
+    np.testing.assert_allclose(float(m["loss"]) - float(plain["loss"]), 0.5 * kl.mean(),
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="kl_beta > 0 needs ref_params"):
+        train_step(_state(), batch, kl_beta=0.5)
+
+
+def test_several_updates_per_batch_advance_the_version():
+    """4 mini-batches x 2 epochs: 8 updates, 8 versions, lr evaluated at each."""
+    sp = dataclasses.replace(SETTINGS[1], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=4)
+    batch = make_batch(rollouts, rewards(rollouts))
+    schedule = optax.linear_schedule(1e-2, 1e-3, 20)
+    state = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=schedule, version=3)
+    state, m = train_step(state, batch, mini_batches=4, epochs=2)
+    assert int(state.version) == int(m["version"]) == 11
+    assert optimizer_counts(state.opt_state) == [11]
+    np.testing.assert_allclose(np.asarray(m["per_update"]["lr"]),
+                               [float(schedule(v)) for v in range(3, 11)], rtol=1e-6)
+    # tokens per update: each mini-batch's own samples, in order, both epochs
+    parts = balanced_parts(np.array([len(s) for s in batch.sequences]), 4)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(16))
+    counts = [sum(len(batch.behavior_logprobs[i]) for i in p) for p in parts]
+    assert np.asarray(m["per_update"]["tokens"]).tolist() == counts * 2
+    with pytest.raises(ValueError, match="mini_batches=32 exceeds the batch's 16 samples"):
+        train_step(state, batch, mini_batches=32)
+
+
+def test_decoupled_proximal_is_the_params_before_the_first_update():
+    """Fresh samples, 4 updates: the importance weight proximal/behavior stays 1 at every
+    update (proximal = the params the batch was sampled with, scored once), while the ratio
+    current/proximal moves off 1 after the first update; plain PPO-clip's ratio (against
+    behavior) is the same ratio here, and with a large step it clips."""
+    sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=4, seed=6)
+    batch = make_batch(rollouts, rewards(rollouts))
+    _, dec = train_step(_state(lr=3e-2), batch, mini_batches=4, correction="decoupled")
+    _, plain = train_step(_state(lr=3e-2), batch, mini_batches=4)
+    d, p = jax.device_get(dec["per_update"]), jax.device_get(plain["per_update"])
+    np.testing.assert_allclose(d["is_weight_mean"], 1.0, atol=1e-5)
+    np.testing.assert_allclose(d["ratio_mean"][0], 1.0, atol=1e-5)
+    assert np.abs(d["ratio_mean"][1:] - 1).min() > 1e-3
+    np.testing.assert_allclose(d["ratio_mean"], p["ratio_mean"], rtol=1e-4)
+    np.testing.assert_allclose(d["loss"], p["loss"], rtol=1e-4, atol=1e-6)
+    assert p["clip_fraction"][0] == 0 and p["clip_fraction"][1:].max() > 0.1
+
+
+def test_padding_waste_on_a_grpo_batch():
+    """64 samples, prompts of 20-80 tokens, outputs uniform in 1..256: computed / real
+    tokens <= 1.1 at the default budget (1 or 4 mini-batches), a quarter of the batch, and a
+    budget above the batch. (A mini-batch just over the budget is the worst case: two
+    micro-batches of half a budget each, up to ~1.35 here.)"""
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.integers(20, 81, 8), 8)
+    lengths = prompts + rng.integers(1, 257, 64)
+    for budget, parts in ((4096, 1), (4096, 4), (int(lengths.sum()) // 4, 1),
+                          (int(lengths.sum()) * 2, 1), (int(lengths.sum()) * 2, 4)):
+        if True:
+            split = [lengths[p] for p in balanced_parts(lengths, parts)]
+            width, micro, per_micro, _ = plan(split, budget)
+            assert per_micro * width <= max(budget, width)
+            ratio = parts * micro * per_micro * width / lengths.sum()
+            assert ratio <= 1.1, (budget, parts, ratio)
+    with pytest.raises(ValueError, match="a sample of 300 tokens exceeds the token budget "
+                                         r"\(256 per micro-batch\); raise token_budget"):
+        plan([np.array([300, 20])], 256)
+
+
+def _compiled_text(sp):
+    rollouts = rollout(varied_params(0), sp, groups=1)
+    batch = make_batch(rollouts, rewards(rollouts))
+    from jaxrl_cache.rl import train
+    state = _state()
+    cfg = TrainConfig()
+    packed = pack_batch(batch, cfg)
+    knobs = sp.as_arrays()
+    kind = filter_kind(sp.temperature, sp.top_p, sp.top_k, CONFIG.vocab_size)
+    nums = dict(clip_eps=jnp.float32(0.2), is_cap=jnp.float32(2), kl_beta=jnp.float32(0),
+                dual_clip=None)
+    return train._train_jit.lower(state.params, state.opt_state, state.version, packed, None,
+                                  None, knobs, jnp.ones(1, jnp.float32), nums, tx=state.tx,
+                                  config=CONFIG, kind=kind, cfg=cfg).as_text()
+
+
+def test_a_sort_is_compiled_only_for_top_p():
+    assert "stablehlo.sort" not in _compiled_text(SETTINGS[0])
+    assert "stablehlo.sort" not in _compiled_text(SETTINGS[1])  # top_k, with or without top-p: top_k
+    assert "stablehlo.sort" in _compiled_text(SETTINGS[3])
+
+
+def test_bf16_compute_keeps_fp32_params_and_matches_fp32():
+    sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, seed=7)
+    batch = make_batch(rollouts, rewards(rollouts))
+    s32, m32 = train_step(_state(tx=SGD), batch)
+    s16, m16 = train_step(_state(tx=SGD), batch, compute_dtype="bfloat16", remat="dots")
+    assert {x.dtype for x in jax.tree.leaves(s16.params)} == {jnp.dtype("float32")}
+    np.testing.assert_allclose(float(m16["loss"]), float(m32["loss"]), rtol=0.05, atol=1e-3)
+    np.testing.assert_allclose(float(m16["grad_norm"]), float(m32["grad_norm"]), rtol=0.1)
