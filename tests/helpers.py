@@ -67,3 +67,27 @@ def own_version_logprobs(sample, params_by_version, sampling, config: ModelConfi
         mask = sample.token_versions == v
         out[mask] = logp[mask]
     return out
+
+
+# Holds a directory's lock the way jaxrl_cache.dir_lock does (flock on .jaxrl_cache.lock, its
+# pid inside) without this library: the independent holder of the lock tests.
+LOCK_HOLDER = """
+import fcntl, os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], ".jaxrl_cache.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def hold_lock(directory):
+    """A process holding `directory`'s lock (started, and holding it, on return); kill it to
+    let go, as a crash would."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(directory)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"held\n"
+    return proc

@@ -1,5 +1,7 @@
-"""Checkpoints: steps are versions, atomic under SIGKILL, verified by digest, never touching a
-directory that is not ours, one-line errors with a quiet stderr."""
+"""Checkpoints: steps are versions, atomic under SIGKILL, verified by digest (on save too), never
+touching a directory that is not ours, one writer per directory while readers poll, one-line
+errors with a quiet stderr."""
+import fcntl
 import os
 import pathlib
 import select
@@ -14,12 +16,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxrl_cache import dir_lock
 from jaxrl_cache.errors import VersionError
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.checkpoint import (MARKER, CheckpointError, latest_checkpoint_version,
                                        restore_checkpoint, save_checkpoint)
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
-from tests.helpers import CONFIG, varied_params
+from tests.helpers import CONFIG, hold_lock, varied_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -193,3 +196,162 @@ def test_sigkill_during_saves_leaves_the_previous_checkpoint(tmp_path, state, de
     # a half-written step left by the kill does not block the next save
     save_checkpoint(d, at_version(state, latest + 1, shift=latest + 1), max_to_keep=2)
     assert int(restore_checkpoint(d, state).version) == latest + 1
+
+
+WRITER = """
+import sys
+import jax
+from jaxrl_cache.rl.checkpoint import save_checkpoint
+from jaxrl_cache.rl.train import TrainState
+from tests.helpers import CONFIG, varied_params
+base = varied_params(0)
+print("ready", flush=True)
+sys.stdin.readline()
+for v in range(1, int(sys.argv[2]) + 1):
+    save_checkpoint(sys.argv[1], TrainState.create(
+        jax.tree.map(lambda x: x + v, base), config=CONFIG, version=v), max_to_keep=2)
+    print("saved", v, flush=True)
+print("holding", flush=True)
+sys.stdin.readline()  # keeps the directory (and its lock) until the test lets go
+"""
+
+
+def _line(proc, deadline):
+    ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+    assert ready, "the writer did not answer"
+    return proc.stdout.readline().decode().strip()
+
+
+def test_a_reader_polls_while_the_writer_saves_and_a_second_writer_is_refused(tmp_path, state):
+    """A writer process saves versions 1..4 (max_to_keep 2) while this process polls
+    latest_checkpoint_version and restores the latest: every save returns, every restore
+    succeeds with the params of its version. Then this process's save is refused naming
+    the writer's pid, until the writer is killed -9: its lock is then taken over."""
+    d, saves = tmp_path / "ckpt", 4
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(saves)], env=env,
+                                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, bufsize=0)  # unbuffered: select sees every line
+    deadline = time.monotonic() + 120
+    try:
+        assert _line(proc, deadline) == "ready"
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        lines, restored = [], []
+        while "holding" not in lines:
+            assert time.monotonic() < deadline and proc.poll() is None, \
+                (lines, (tmp_path / "stderr").read_text()[-2000:])
+            if select.select([proc.stdout], [], [], 0)[0]:
+                lines.append(proc.stdout.readline().decode().strip())
+            v = latest_checkpoint_version(d)
+            if v is not None:
+                got = restore_checkpoint(d, state)  # the latest, possibly newer than v
+                assert_params_equal(got, at_version(state, int(got.version),
+                                                    shift=int(got.version)))
+                restored.append(int(got.version))
+        assert lines == [f"saved {v}" for v in range(1, saves + 1)] + ["holding"]
+        assert restored and restored == sorted(restored) and restored[-1] == saves
+        with pytest.raises(CheckpointError, match=f"in use by pid {proc.pid}") as e:
+            save_checkpoint(d, at_version(state, saves + 1, shift=saves + 1))
+        assert "\n" not in str(e.value)
+        assert latest_checkpoint_version(d) == saves
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+    save_checkpoint(d, at_version(state, saves + 1, shift=saves + 1), max_to_keep=2)
+    assert_params_equal(restore_checkpoint(d, state), at_version(state, saves + 1,
+                                                                 shift=saves + 1))
+
+
+def test_readers_never_delete_a_save_in_progress(tmp_path, state):
+    """Another process's unfinished save is an orbax temporary directory: reading leaves it."""
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, state)
+    in_progress = d / "1.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+    in_progress.mkdir(parents=True)
+    (in_progress / "part").write_bytes(b"x" * 64)
+    assert latest_checkpoint_version(d) == 0
+    restore_checkpoint(d, state)
+    restore_checkpoint(d, state, step=0)
+    assert (in_progress / "part").read_bytes() == b"x" * 64
+
+
+def test_a_save_that_does_not_read_back_is_deleted_and_raised(tmp_path, state, monkeypatch):
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, state)
+    save = ocp.CheckpointManager.save
+
+    def corrupting_save(self, step, *args, **kwargs):  # the disk flips a byte as it lands
+        result = save(self, step, *args, **kwargs)
+        data = max((p for p in (d / str(step)).rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        return result
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", corrupting_save)
+    new = at_version(state, 1, shift=1.0)
+    with pytest.raises(CheckpointError, match="does not read back .* the step was deleted"):
+        save_checkpoint(d, new)
+    monkeypatch.undo()
+    assert latest_checkpoint_version(d) == 0 and not (d / "1").exists()
+    save_checkpoint(d, new)  # the retry writes it again (not a no-op against a bad step)
+    assert_params_equal(restore_checkpoint(d, state), new)
+
+
+FULL_DISK = """
+import resource, signal, sys
+from jaxrl_cache.rl.checkpoint import CheckpointError, save_checkpoint
+from jaxrl_cache.rl.train import TrainState
+from tests.helpers import CONFIG, varied_params
+state = TrainState.create(varied_params(0), config=CONFIG)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))
+try:
+    save_checkpoint(sys.argv[1], state)
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_failed_write_is_one_line_and_orbax_prints_nothing(tmp_path):
+    """A save failing inside orbax's writer threads (a full disk: files may not grow past
+    2 KiB): one CheckpointError line; the process's stderr stays empty to its exit."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "ckpt")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("saving version 0 into") and "failed" in done.stdout
+    assert done.stdout.count("\n") == 1
+    assert done.stderr == ""
+
+
+def test_directory_lock(tmp_path):
+    """One claim per process; a dead holder's lock is taken over; a deleted lock file is
+    claimed again; a live holder (helpers.hold_lock: plain flock) is named."""
+    d = tmp_path / "dir"
+    d.mkdir()
+    lock = d / dir_lock.LOCK_FILE
+    lock.write_text("999999999\n")  # a stale file: its writer died, nobody holds the flock
+    dir_lock.claim(d)
+    dir_lock.claim(d)
+    assert lock.read_text() == f"{os.getpid()}\n"
+    other = os.open(lock, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # held: another open file cannot lock it
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(other)
+    lock.unlink()  # e.g. the directory was cleared
+    dir_lock.claim(d)
+    assert lock.read_text() == f"{os.getpid()}\n"
+    holder = hold_lock(tmp_path / "held")
+    try:
+        with pytest.raises(dir_lock.DirectoryInUse, match=f"in use by pid {holder.pid}"):
+            dir_lock.claim(tmp_path / "held")
+    finally:
+        holder.kill()
+        holder.wait(30)
+    dir_lock.claim(tmp_path / "held")  # the dead holder's lock is taken over
+

@@ -16,10 +16,13 @@ import optax
 import pytest
 
 from jaxrl_cache.app import cli, demo
+from jaxrl_cache.app.run_dir import RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
-from jaxrl_cache.models import ModelConfig, forward, from_pretrained, init_params, load_tokenizer
+from jaxrl_cache.models import (ModelConfig, forward, from_pretrained, init_params,
+                                load_tokenizer, save_pretrained)
 from jaxrl_cache.rl.checkpoint import latest_checkpoint_version
 from jaxrl_cache.rl.sft import pack_completions, sft_loss, sft_step
+from tests.helpers import hold_lock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TASK_FILE = REPO / "examples" / "tasks" / "add.jsonl"
@@ -173,7 +176,7 @@ def _rows_file(path, steps, tail=""):
 
 
 def test_resume_cuts_metrics_to_the_checkpoint(tmp_path, capsys):
-    run = demo.RunDir(tmp_path)
+    run = RunDir(tmp_path)
     _rows_file(run.metrics, range(7))
     assert [r["step"] for r in run.read_rows(4)] == [0, 1, 2, 3]
     assert [r["step"] for r in read_rows(tmp_path)] == [0, 1, 2, 3]
@@ -285,7 +288,8 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
     (["demo", "--mesh", "trainer=2,engine=2,engine=4"], "engine given twice"),
     (["nope"], "invalid choice"),
 ])
-def test_cli_bad_flags_give_one_line(argv, message, capsys):
+def test_cli_bad_flags_give_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is relative: never the caller's runs/
     try:
         code = cli.main(argv)
     except SystemExit as e:
@@ -334,3 +338,84 @@ def test_cli_help_documents_every_flag(capsys):
     for action in demo_parser._actions:
         assert action.help, action.option_strings
     assert "--resume" in text and "Ctrl-C" in text and "--model" in text and "JSONL" in text
+
+
+def _cli_error(argv, capsys) -> str:
+    """The one stderr line of a CLI run that must fail with rc 2."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
+    """(argv, expected message) of input files the CLI must refuse before touching --out."""
+    binary = tmp_path / "latin1.jsonl"
+    binary.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "b"}\n')
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "short", "answer": "1"}\n\n' + json.dumps(
+        {"prompt": "x" * 70, "answer": "1"}) + "\n")  # 71 tokens + 64 new > 128
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    return [(["--task", "/nonexistent.jsonl"], "--task /nonexistent.jsonl: no such file"),
+            (["--task", str(binary)], f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"),
+            (["--task", str(long)], f"{long}:3: the prompt is 71 tokens; with 64 new tokens it "
+                                    f"exceeds the max_seq_len 128 of the built-in model"),
+            (["--model", str(empty)], str(empty / "config.json"))]
+
+
+def test_cli_checks_input_files_before_the_previous_run_in_the_working_directory(
+        tmp_path, monkeypatch, capsys):
+    """`make demo` leaves runs/demo in the working directory; a bad input file is still
+    reported as such (the default --out is never looked at first), and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    previous = tmp_path / "runs" / "demo"
+    previous.mkdir(parents=True)
+    (previous / "run.json").write_text('{"options": {}}')
+    (previous / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = sorted(p.name for p in previous.iterdir())
+    for argv, message in _bad_inputs(tmp_path):
+        assert message in _cli_error(["demo", *argv], capsys)
+    assert sorted(p.name for p in previous.iterdir()) == before
+    assert "holds a previous run" in _cli_error(["demo", "--sft-steps", "0"], capsys)
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_to_refuse(tmp_path,
+                                                                             capsys):
+    """Bad inputs never create --out; a model whose weights fail to load leaves no run
+    behind, so the same command gives the same error again (not "holds a previous run")."""
+    for argv, message in _bad_inputs(tmp_path):
+        out = tmp_path / "never"
+        assert message in _cli_error(["demo", "--out", str(out), *argv], capsys)
+        assert not out.exists()
+    tok = char_tokenizer()
+    model = save_pretrained(tmp_path / "model", demo.builtin_model_config(tok.vocab_size),
+                            init_params(demo.builtin_model_config(tok.vocab_size),
+                                        jax.random.key(0)), tokenizer=tok)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # truncated
+    argv = ["demo", "--model", str(model), "--out", str(tmp_path / "run")]
+    first = _cli_error(argv, capsys)
+    assert "model.safetensors" in first
+    assert not RunDir(tmp_path / "run").holds_run()
+    assert _cli_error(argv, capsys) == first
+
+
+def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, capsys):
+    """While another process holds --out (a running demo), a second run and a second
+    --resume are refused in one line naming its pid, before reading anything; once it has
+    died its lock is taken over. An empty or foreign run.json is named in the error."""
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    try:
+        (out / "run.json").write_text("")
+        for argv in (["--resume"], [], ["--overwrite"]):
+            err = _cli_error(["demo", "--out", str(out), *argv], capsys)
+            assert f"--out {out} is in use by another run (pid {holder.pid})" in err
+    finally:
+        holder.kill()
+        holder.wait(30)
+    for text in ("", "[1]", '{"options": {"no_such_option": 1}}', '{"options": {"steps": 1'):
+        (out / "run.json").write_text(text)
+        err = _cli_error(["demo", "--out", str(out), "--resume"], capsys)
+        assert err.startswith(f"jaxrl-cache demo: error: {out / 'run.json'}: "), err

@@ -163,8 +163,8 @@ def _demo(args) -> int:
         print(f"jaxrl-cache demo: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("jaxrl-cache demo: aborted; the last checkpoint is kept (--resume continues)",
-              file=sys.stderr)
+        print("jaxrl-cache demo: aborted; the last checkpoint is kept (--resume continues; a "
+              "run aborted before its first checkpoint left nothing)", file=sys.stderr)
         return 130
     rl_exact = "n/a (interrupted)" if s["rl_exact_match"] is None else \
         f"{s['rl_exact_match']:.3f}"

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-import shutil
 import signal
 import time
 
@@ -35,10 +33,12 @@ import optax
 from tqdm import tqdm
 
 from jaxrl_cache.app.mesh_layout import MeshLayout
+from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
                                save_pretrained)
+from jaxrl_cache.models.hf import config_from_hf, read_json
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
@@ -46,8 +46,6 @@ from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
-RUN_FILE, METRICS, CHECKPOINTS, PLOT = "run.json", "metrics.jsonl", "checkpoints", "demo.png"
-OUTPUTS = (RUN_FILE, METRICS, CHECKPOINTS, PLOT, "base_model", "sft_model", "final_model")
 MAX_SEED = 2**32 - 1
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 
@@ -144,89 +142,63 @@ def builtin_model_config(vocab_size: int) -> ModelConfig:
     return ModelConfig.tiny(vocab_size=vocab_size, max_seq_len=128)
 
 
-class RunDir:
-    """The output directory of one run; see the module doc for its files."""
+def _prepare(opts: DemoOptions):
+    """(options, run directory, saved run record or None, task, mesh layout or None).
 
-    def __init__(self, out):
-        self.path = pathlib.Path(out)
-        self.run_file = self.path / RUN_FILE
-        self.metrics = self.path / METRICS
-        self.checkpoints = self.path / CHECKPOINTS
-
-    def holds_run(self) -> bool:
-        return any((self.path / name).exists() for name in OUTPUTS)
-
-    def clear(self) -> None:
-        """Removes this demo's outputs (and nothing else) from the directory."""
-        for name in OUTPUTS:
-            target = self.path / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-
-    def read_rows(self, version: int) -> list[dict]:
-        """The metrics rows of steps 0..version-1, checked and in order; rewrites the file to
-        exactly those (later rows belong to steps the checkpoint does not include)."""
-        lines = self.metrics.read_text().splitlines() if self.metrics.exists() else []
-        rows = []
-        for number, line in enumerate(lines, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines) and len(rows) >= version:
-                    tqdm.write(f"{self.metrics}: dropped a torn last line {number} (a step "
-                               f"after the checkpoint, version {version})")
-                    break
-                raise ValueError(f"{self.metrics}:{number}: torn or corrupted line "
-                                 f"{line[:60]!r}; cannot resume from version {version}") \
-                    from None
-            rows.append(row)
-        kept = rows[:version]
-        if [r.get("step") for r in kept] != list(range(version)):
-            have = [r.get("step") for r in rows]
-            raise ValueError(f"{self.metrics} must hold steps 0..{version - 1} in order to "
-                             f"resume from the checkpoint at version {version}; it holds "
-                             f"{_ranges(have)}")
-        tmp = self.metrics.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics)
-        return kept
-
-    def append_row(self, row: dict) -> None:
-        """One whole line per write call: a kill leaves at most a torn last line."""
-        fd = os.open(self.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(row) + "\n").encode())
-        finally:
-            os.close(fd)
-
-
-def _ranges(values) -> str:
-    if not values:
-        return "no rows"
-    if values == list(range(values[0], values[0] + len(values))):
-        return f"steps {values[0]}..{values[-1]}"
-    return f"steps {values[:12]}{'...' if len(values) > 12 else ''}"
-
-
-def _prepare(opts: DemoOptions) -> tuple[DemoOptions, RunDir, dict | None]:
-    """Checks the output directory against --resume/--overwrite; returns the options to run
-    with (a resumed run keeps its saved options except --steps) and the saved run record."""
-    run = RunDir(opts.out)
+    A new run checks its inputs before it touches --out, then locks --out (one run per
+    directory) and checks it against --overwrite. A resumed run locks --out, then reads its
+    record and keeps the saved options except --steps, then checks the inputs."""
+    run, record = RunDir(opts.out), None
     if opts.resume:
         if not run.run_file.exists():
             raise ValueError(f"--resume: {run.path} holds no demo run (no {RUN_FILE})")
-        record = json.loads(run.run_file.read_text())
+        run.lock()
+        record = run.read_record()
         saved = {k: v for k, v in record["options"].items()
                  if k not in ("steps", "resume", "overwrite", "out")}
-        return dataclasses.replace(opts, **saved), run, record
-    if run.holds_run():
-        if not opts.overwrite:
-            raise ValueError(f"--out {run.path} holds a previous run; pass --resume to "
-                             f"continue it or --overwrite to replace it")
-        run.clear()
-    return opts, run, None
+        try:
+            opts = dataclasses.replace(opts, **saved)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{run.run_file}: the saved options are not valid ({e})") from None
+    task, layout = _check_inputs(opts)
+    if not opts.resume:
+        run.lock()
+        if run.holds_run():
+            if not opts.overwrite:
+                raise ValueError(f"--out {run.path} holds a previous run; pass --resume to "
+                                 f"continue it or --overwrite to replace it")
+            run.clear()
+    return opts, run, record, task, layout
+
+
+def _check_inputs(opts: DemoOptions):
+    """(task, mesh layout or None), once everything the run reads first is checked: the
+    mesh against the devices, the task file, the --model directory's config and tokenizer,
+    and every task prompt (with the generation budget) against the model's max_seq_len."""
+    layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
+    if layout is not None:
+        layout.check_devices(jax.device_count())
+    task = _make_task(opts)
+    if opts.model is None:
+        tokenizer, model = char_tokenizer(), "the built-in model"
+        limit = builtin_model_config(tokenizer.vocab_size).max_seq_len
+    else:
+        config_file = pathlib.Path(opts.model) / "config.json"
+        limit = config_from_hf(read_json(config_file), source=str(config_file)).max_seq_len
+        tokenizer, model = load_tokenizer(opts.model), f"--model {opts.model}"
+    if opts.task is not None:
+        max_new = _max_new_tokens(opts, task)
+        lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in task.examples])]
+        bad = next((i for i, n in enumerate(lengths) if n + max_new > limit), None)
+        if bad is not None:
+            raise ValueError(f"{task.path}:{task.lines[bad]}: the prompt is {lengths[bad]} "
+                             f"tokens; with {max_new} new tokens it exceeds the max_seq_len "
+                             f"{limit} of {model}")
+    return task, layout
+
+
+def _max_new_tokens(opts: DemoOptions, task) -> int:
+    return opts.max_new_tokens or (task.num_digits + 1 if opts.task is None else 64)
 
 
 def _make_task(opts: DemoOptions):
@@ -400,44 +372,44 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | N
 def run_demo(opts: DemoOptions) -> dict:
     """Runs (or resumes) the demo; returns the summary. See the module doc."""
     t_start = time.perf_counter()
-    opts, run, record = _prepare(opts)
-    layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
-    if layout is not None:
-        layout.check_devices(jax.device_count())  # before any work
-    task = _make_task(opts)
+    opts, run, record, task, layout = _prepare(opts)
     start_version = None if record is None else latest_checkpoint_version(run.checkpoints)
-    if start_version is None:  # a fresh run (or one killed before its first checkpoint)
-        run.clear()
-        run.path.mkdir(parents=True, exist_ok=True)
-        record = dict(options=dataclasses.asdict(opts))
-        run.run_file.write_text(json.dumps(record, indent=2))
-        run.metrics.touch()
-        policy = _initial_policy(opts, run, task)
-        record = dict(record, policy=str(policy))
-        run.run_file.write_text(json.dumps(record, indent=2))
-    policy = pathlib.Path(record["policy"])
-    config, params = from_pretrained(policy)
-    tokenizer = load_tokenizer(policy)
-    max_new = opts.max_new_tokens or (task.num_digits + 1 if opts.task is None else 64)
-    sampling = SamplingParams(n=opts.group_size, max_new_tokens=max_new,
-                              temperature=opts.temperature,
-                              stop_token_ids=tokenizer.stop_token_ids)
-    state = TrainState.create(params, make_optimizer(), config=config,
-                              lr_schedule=_lr_schedule(opts))
-    placement = None if layout is None else layout.build(
-        config, state, opts.prompts_per_step * opts.group_size)
-    if placement is not None:  # restore_checkpoint reads into the template's layout
-        state = placement.place_state(state)
-    devices = f"one ({jax.devices()[0]})" if placement is None else placement.describe()
-    tqdm.write(f"devices: {devices}")
-    if start_version is None:
-        save_checkpoint(run.checkpoints, state)
-        rows, start_version = [], 0
-    else:
-        state = restore_checkpoint(run.checkpoints, state)
-        start_version = int(state.version)
-        rows = run.read_rows(start_version)
-        tqdm.write(f"resumed {run.path} at version {start_version}")
+    fresh = start_version is None  # a new run (or one killed before its first checkpoint)
+    try:
+        if fresh:
+            run.clear()
+            record = dict(options=dataclasses.asdict(opts))
+            run.write_record(record)
+            run.metrics.touch()
+            policy = _initial_policy(opts, run, task)
+            record = dict(record, policy=str(policy))
+            run.write_record(record)
+        policy = pathlib.Path(record["policy"])
+        config, params = from_pretrained(policy)
+        tokenizer = load_tokenizer(policy)
+        sampling = SamplingParams(n=opts.group_size, max_new_tokens=_max_new_tokens(opts, task),
+                                  temperature=opts.temperature,
+                                  stop_token_ids=tokenizer.stop_token_ids)
+        state = TrainState.create(params, make_optimizer(), config=config,
+                                  lr_schedule=_lr_schedule(opts))
+        placement = None if layout is None else layout.build(
+            config, state, opts.prompts_per_step * opts.group_size)
+        if placement is not None:  # restore_checkpoint reads into the template's layout
+            state = placement.place_state(state)
+        devices = f"one ({jax.devices()[0]})" if placement is None else placement.describe()
+        tqdm.write(f"devices: {devices}")
+        if fresh:
+            save_checkpoint(run.checkpoints, state)
+            rows, start_version = [], 0
+        else:
+            state = restore_checkpoint(run.checkpoints, state)
+            start_version = int(state.version)
+            rows = run.read_rows(start_version)
+            tqdm.write(f"resumed {run.path} at version {start_version}")
+    except BaseException:
+        if fresh:  # nothing to resume yet: leave no run behind, so the command can run again
+            run.clear()
+        raise
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=start_version,

@@ -83,8 +83,9 @@ class CopyDigits:
 
 
 class JsonlTask:
-    """Examples from a JSONL file: one `{"prompt": str, "answer": str}` object per line
-    (blank lines skipped). `sample` draws rows uniformly with replacement."""
+    """Examples from a UTF-8 JSONL file: one `{"prompt": str, "answer": str}` object per
+    line (blank lines skipped); `lines[i]` is the line number of `examples[i]`. `sample`
+    draws rows uniformly with replacement. Errors name the file and line."""
 
     def __init__(self, path, reward: Reward = Reward()):
         self.path = pathlib.Path(path)
@@ -92,8 +93,13 @@ class JsonlTask:
         self.name = self.path.name
         if not self.path.is_file():
             raise ValueError(f"--task {self.path}: no such file")
-        self.examples = []
-        for number, line in enumerate(self.path.read_text().splitlines(), 1):
+        self.examples, self.lines = [], []
+        for number, raw in enumerate(self.path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{self.path}:{number}: not UTF-8 text (byte "
+                                 f"0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -105,6 +111,7 @@ class JsonlTask:
                 raise ValueError(f'{self.path}:{number}: expected {{"prompt": str, '
                                  f'"answer": str}}, got {line[:80]!r}')
             self.examples.append(Example(row["prompt"], row["answer"]))
+            self.lines.append(number)
         if not self.examples:
             raise ValueError(f"--task {self.path}: no examples")
 
