@@ -94,7 +94,8 @@ class RolloutBatch:
     decode_chunks: int
     prefill_launches: int
     seconds: float
-    sync_ack: WeightAck | None = None  # set when this call first synced to a newer version
+    sync_ack: WeightAck | None = None  # this call committed a newer version (async: None if
+    # a sync during the call committed it or a later one first)
     recomputed_tokens: int = 0  # context tokens re-prefilled after in-flight weight updates
     weight_updates: int = 0  # syncs that landed while this call ran (asynchronous mode)
 
