@@ -125,10 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=8 [one device]")
     add("--correction", choices=["none", "decoupled"], default=d.correction,
         help="off-policy correction of the train step: PPO-clip against the behavior "
-             "logprobs, or decoupled PPO (clip against the trainer's own proximal logprobs, "
-             "importance weights proximal/behavior truncated at 2). With one update per "
-             "batch the decoupled clip never binds: on this demo at lr 3e-3 it collapses "
-             "the policy [%(default)s]")
+             "logprobs, or decoupled PPO (clip against the proximal logprobs: the params "
+             "before the step's first update; importance weights proximal/behavior "
+             "truncated at 2). Its clip binds only with --mini-batches > 1 [%(default)s]")
+    add("--mini-batches", type=_positive_int, default=d.mini_batches,
+        help="optimizer updates per GRPO step: the step's samples split into this many "
+             "parts, one update (one policy version) each [%(default)s]")
+    add("--token-budget", type=_positive_int, default=d.token_budget,
+        help="tokens per training micro-batch: the trainer's activation memory is set by it, "
+             "not by the batch (gradients accumulate over micro-batches) [%(default)s]")
+    add("--loss-type", choices=["dapo", "grpo", "dr_grpo"], default=d.loss_type,
+        help="loss aggregation (TRL's names): token mean, mean of per-sequence token means, "
+             "or token sum / (sequences x max new tokens) [%(default)s]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options "
@@ -188,7 +196,7 @@ def _demo(args) -> int:
                               f"calls dropped, token staleness {s['staleness_histogram']}")),
         ("devices", s["devices"]),
         ("weight sync (trainer -> engine)",
-         f"{s['sync_bytes'] / 2**10:,.1f} KiB moved, median {s['sync_seconds_median'] * 1e3:.1f}"
+         f"{s['sync_bytes'] / 2**20:,.1f} MiB copied, median {s['sync_seconds_median'] * 1e3:.1f}"
          f" ms per sync ({s['syncs']} syncs)"),
         ("wall time", f"{s['seconds']:.1f} s"),
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),

@@ -39,11 +39,11 @@ from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
                                save_pretrained)
 from jaxrl_cache.models.hf import config_from_hf, read_json
-from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
-from jaxrl_cache.rl.train import TrainState, make_batch, make_optimizer, train_step
+from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
+from jaxrl_cache.rl.train import TrainConfig, TrainState, make_optimizer
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
 MAX_SEED = 2**32 - 1
@@ -78,9 +78,12 @@ class DemoOptions:
     overwrite: bool = False
     async_rollouts: bool = False  # a RolloutWorker generates while the trainer trains
     kv_policy: str = "recompute"  # async: what an update does to rows in flight
-    max_policy_lag: int = 1  # async: oldest token version a trained sample may have
+    max_policy_lag: int = 1  # async: steps a trained sample's oldest token may lag behind
+    mini_batches: int = 1  # optimizer updates per step (the batch split into this many)
+    token_budget: int = 4096  # tokens per training micro-batch (sets the trainer's memory)
+    loss_type: str = "dapo"  # "dapo" token mean, "grpo" sequence mean, "dr_grpo"
     correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip
-    #   against behavior; "decoupled" has no trust region with one update per batch)
+    #   against behavior; "decoupled": proximal = the params before the step's first update)
     mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
 
     def __post_init__(self):
@@ -120,6 +123,10 @@ class DemoOptions:
         if self.correction not in ("none", "decoupled"):
             raise ValueError(f"--correction must be 'none' or 'decoupled', got "
                              f"{self.correction!r}")
+        _train_config(self, async_rollouts=self.async_rollouts)  # TrainConfig checks them
+        if self.mini_batches > self.prompts_per_step * self.group_size:
+            raise ValueError(f"--mini-batches ({self.mini_batches}) exceeds the samples of a "
+                             f"step ({self.prompts_per_step * self.group_size})")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other")
         if self.answer_regex is not None and self.task is None:
@@ -131,6 +138,18 @@ class DemoOptions:
         out = pathlib.Path(self.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file, not a directory")
+
+
+def _train_config(opts: DemoOptions, *, async_rollouts: bool) -> TrainConfig:
+    """The trainer's settings; the synchronous loop donates the old state (the audit needs
+    only the current version's params, the engine holds its own copy)."""
+    return TrainConfig(correction=opts.correction, mini_batches=opts.mini_batches,
+                       token_budget=opts.token_budget, loss_type=opts.loss_type,
+                       donate=not async_rollouts and opts.mesh is None)
+
+
+def _param_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
 def _lr_schedule(opts: DemoOptions):
@@ -283,64 +302,6 @@ def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> 
                           == 1.0 for s in batch.samples]))
 
 
-class _SyncRollouts:
-    """Each step: rollout calls at the trainer's version, then train, then sync."""
-
-    def __init__(self, opts: DemoOptions, engine, sampling, prompts_of, seed_key):
-        self.opts, self.engine, self.sampling = opts, engine, sampling
-        self.prompts_of, self.seed_key = prompts_of, seed_key
-
-    def get(self, step: int, state) -> list[tuple[list, object]]:
-        """[(examples, RolloutBatch)] of this step's rollout calls."""
-        out = []
-        for i in range(self.opts.rollout_calls):
-            prompts, examples = self.prompts_of(step * self.opts.rollout_calls + i)
-            out.append((examples, self.engine.rollout(
-                state.params, int(state.version), prompts, self.sampling,
-                rng=jax.random.fold_in(self.seed_key, step * 1000 + i))))
-        return out
-
-    def publish(self, state):
-        return self.engine.sync_weights(state.params, state.version)
-
-    def close(self) -> dict:
-        return {}
-
-
-class _AsyncRollouts:
-    """A RolloutWorker generates the next calls while the trainer trains; weight updates
-    land between decode chunks (engine kv_policy); calls beyond the lag are dropped. A
-    resumed run's worker starts at call start_version * rollout_calls: the prompts and rng
-    keys the original run's worker used there."""
-    STOP_TIMEOUT_S = 120.0  # close(): the longest wait for the call in flight
-
-    def __init__(self, opts: DemoOptions, engine, sampling, prompts_of, seed_key, state):
-        from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
-        self.opts = opts
-        self.buffer = SampleBuffer(opts.rollout_calls, opts.max_policy_lag)
-        self.worker = RolloutWorker(engine, prompts_of, sampling, self.buffer,
-                                    rng=jax.random.fold_in(seed_key, 2**31 - 1))
-        self.worker.start(state.params, state.version,
-                          first_call=int(state.version) * opts.rollout_calls)
-
-    def get(self, step: int, state) -> list[tuple[list, object]]:
-        items = self.buffer.get(self.opts.rollout_calls, int(state.version))
-        return [(item.meta, item.batch) for item in items]
-
-    def publish(self, state):
-        return self.worker.publish(state.params, state.version)
-
-    def close(self) -> dict:
-        """Stops the worker; a call still in flight after STOP_TIMEOUT_S is left to its
-        daemon thread (one line says so) so that the final save still runs."""
-        try:
-            self.worker.stop(timeout=self.STOP_TIMEOUT_S)
-        except TimeoutError as e:
-            tqdm.write(f"{e}; leaving it to exit with the process")
-        self.buffer.drain()  # generated ahead for steps that will not run
-        return self.buffer.metrics()
-
-
 def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -410,26 +371,23 @@ def run_demo(opts: DemoOptions) -> dict:
         if fresh:  # nothing to resume yet: leave no run behind, so the command can run again
             run.clear()
         raise
+    train = _train_config(opts, async_rollouts=opts.async_rollouts)
+    lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
-                           max_policy_lag=opts.max_policy_lag if opts.async_rollouts else 0,
+                           max_policy_lag=lag,
                            **({} if placement is None else placement.engine_kwargs()))
-    step_fn = train_step if placement is None else placement.train_step
     seed_key = jax.random.key(opts.seed)
     if "sft_exact_match" not in record:
         record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
                                               task, opts, sampling,
                                               jax.random.fold_in(seed_key, 2**30))
-        run.run_file.write_text(json.dumps(record, indent=2))
+        run.write_record(record)
     tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
                f"{record['sft_exact_match']:.3f}")
 
-    stop = _Stop()
-    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    totals = dict(generated=0, prompt=0, reused=0, cached=0, audited=0, audit_failed=0,
-                  mixed_tokens=0, recomputed=0)
     per_call = opts.prompts_per_step // opts.rollout_calls
 
     def prompts_of(call: int):
@@ -439,82 +397,50 @@ def run_demo(opts: DemoOptions) -> dict:
                                opts.prompts_per_step)[part * per_call:(part + 1) * per_call]
         return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
 
-    lag = opts.max_policy_lag if opts.async_rollouts else 0
-    params_by_version = {start_version: state.params}  # the versions inside the lag window
-    rollouts = (_AsyncRollouts(opts, engine, sampling, prompts_of, seed_key, state)
+    def reward(examples, sample, text: str) -> float:
+        return task.reward(text, examples[sample.group].answer)
+
+    start_step = start_version // train.updates
+    history = PolicyHistory(lag)
+    history.add(start_version, state.params)
+    rollouts = (AsyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
+                              max_policy_lag=lag, key=jax.random.fold_in(seed_key, 2**31 - 1),
+                              state=state, first_call=start_step * opts.rollout_calls)
                 if opts.async_rollouts else
-                _SyncRollouts(opts, engine, sampling, prompts_of, seed_key))
+                SyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
+                             key=seed_key))
+    stop = _Stop()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     buffer_metrics = {}
     saved_version = start_version
-    bar = tqdm(range(start_version, opts.steps), initial=start_version, total=opts.steps,
+    bar = tqdm(range(start_step, opts.steps), initial=start_step, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
     try:
         for step in bar:
-            version = int(state.version)
-            t0 = time.perf_counter()  # the step's wall time runs from here to its metrics row
-            parts = rollouts.get(step, state)  # [(examples, RolloutBatch)]
-            batches = [b for _, b in parts]
-            rollout_s = time.perf_counter() - t0
-            texts, rewards = [], []
-            for examples, b in parts:
-                for s in b.samples:
-                    texts.append((examples[s.group], tokenizer.decode(s.output_ids)))
-                    rewards.append(task.reward(texts[-1][1], texts[-1][0].answer))
-            audit_failed = mixed = 0
-            for b in batches:
-                report = audit_attribution(b, params_by_version, config)
-                totals["audited"] += report.num_samples
-                audit_failed += len(report.flagged)
-                mixed += sum(0 if s.mixed_tokens is None else int(s.mixed_tokens.sum())
-                             for s in b.samples)
-            totals["audit_failed"] += audit_failed
-            totals["mixed_tokens"] += mixed
-            totals["recomputed"] += sum(b.recomputed_tokens for b in batches)
-            t1 = time.perf_counter()
-            new_state, m = step_fn(state, make_batch(batches, rewards), max_policy_lag=lag,
-                                   correction=opts.correction)
-            sync_bytes = 0 if placement is None else placement.sync_bytes(new_state.params)
-            ack = rollouts.publish(new_state)
-            train_s = time.perf_counter() - t1
-            params_by_version[int(new_state.version)] = new_state.params
-            for old in [v for v in params_by_version if v < int(new_state.version) - lag]:
-                del params_by_version[old]
-            step_totals = dict(prompt=sum(b.prompt_tokens for b in batches),
-                               generated=sum(b.generated_tokens for b in batches),
-                               reused=sum(b.reused_tokens for b in batches),
-                               cached=sum(b.cached_tokens for b in batches))
-            example, completion = texts[0]
-            row = dict(step=step, version=version, next_version=ack.version,
-                       reward=float(np.mean(rewards)),
-                       exact_match=float(np.mean([r == 1.0 for r in rewards])),
-                       cache_hit_rate=step_totals["cached"] / step_totals["prompt"],
-                       prefill_saved=step_totals["reused"] / step_totals["prompt"],
-                       staleness_max=int(m["staleness_max"]),
-                       lr=float(m["lr"]), loss=float(m["loss"]),
-                       clip_fraction=float(m["clip_fraction"]),
-                       invalidated_pages=ack.invalidated_pages,
-                       audit_failed=audit_failed, generated_tokens=step_totals["generated"],
-                       mixed_tokens=mixed,
-                       recomputed_tokens=sum(b.recomputed_tokens for b in batches),
-                       rollout_seconds=rollout_s, train_seconds=train_s,
-                       step_seconds=time.perf_counter() - t0,
-                       sync_bytes=sync_bytes, sync_seconds=ack.seconds,
-                       sample=dict(prompt=example.prompt, completion=completion,
-                                   answer=example.answer))
+            result = grpo_step(step, state, rollouts, reward, decode=tokenizer.decode,
+                               history=history, train=train,
+                               mesh=None if placement is None else placement.trainer)
+            examples, sample, completion = result.texts[0]
+            example = examples[sample.group]
+            sync_bytes = (_param_bytes(result.state.params) if placement is None
+                          else placement.sync_bytes(result.state.params))
+            row = dict(result.record, exact_match=float(np.mean(
+                [task.reward(t, m[s.group].answer) == 1.0 for m, s, t in result.texts])),
+                sync_bytes=sync_bytes,
+                sample=dict(prompt=example.prompt, completion=completion,
+                            answer=example.answer))
             with deferred_signals():  # the state and its metrics row move together
                 run.append_row(row)
                 rows.append(row)
-                state = new_state
-            for key, value in step_totals.items():
-                totals[key] += value
-            bar.set_postfix(v=version, reward=f"{row['reward']:.2f}",
+                state = result.state
+            bar.set_postfix(v=int(state.version), reward=f"{row['reward']:.2f}",
                             exact=f"{row['exact_match']:.2f}",
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
                 tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
-                           f"(answer {example.answer!r}); sync {sync_bytes / 2**10:.1f} KiB "
-                           f"moved in {ack.seconds * 1e3:.1f} ms")
-            if int(state.version) % opts.checkpoint_every == 0:
+                           f"(answer {example.answer!r}); sync copied "
+                           f"{sync_bytes / 2**20:.1f} MiB in {row['sync_seconds']:.2f} s")
+            if (step + 1) % opts.checkpoint_every == 0:
                 with deferred_signals():
                     save_checkpoint(run.checkpoints, state)
                 saved_version = int(state.version)
@@ -531,6 +457,9 @@ def run_demo(opts: DemoOptions) -> dict:
         finally:  # after the section: it reinstalls the handlers it found on entry
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+    totals = {k: sum(r.get(k, 0) for r in rows) for k in (
+        "generated_tokens", "prompt_tokens", "cached_tokens", "reused_tokens", "audited_samples",
+        "audit_failed", "mixed_tokens", "recomputed_tokens")}
     final_version = int(state.version)
     rl_exact = None if stop.requested else _evaluate(
         engine, state.params, final_version, tokenizer, task, opts, sampling,
@@ -544,18 +473,19 @@ def run_demo(opts: DemoOptions) -> dict:
     mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
     syncs = [r for r in rows if "sync_seconds" in r]  # rows of runs before --mesh lack them
     return dict(
-        task=task.name, policy=str(policy), steps_run=final_version - start_version,
+        task=task.name, policy=str(policy), steps_run=len(rows) - start_step,
         final_version=final_version, reward_first=mean("reward", rows[:window]),
         reward_last=mean("reward", rows[-window:]),
         exact_first=mean("exact_match", rows[:window]),
         exact_last=mean("exact_match", rows[-window:]),
         sft_exact_match=record["sft_exact_match"], rl_exact_match=rl_exact,
-        eval_prompts=opts.eval_prompts, generated_tokens=totals["generated"],
-        prompt_tokens=totals["prompt"], prefill_tokens_saved=totals["reused"],
-        radix_cached_tokens=totals["cached"], audited_samples=totals["audited"],
-        audit_failures=totals["audit_failed"], seconds=time.perf_counter() - t_start,
+        eval_prompts=opts.eval_prompts, generated_tokens=totals["generated_tokens"],
+        prompt_tokens=totals["prompt_tokens"], prefill_tokens_saved=totals["reused_tokens"],
+        radix_cached_tokens=totals["cached_tokens"],
+        audited_samples=totals["audited_samples"], audit_failures=totals["audit_failed"],
+        seconds=time.perf_counter() - t_start, updates_per_step=train.updates,
         mode=("async/" + opts.kv_policy) if opts.async_rollouts else "sync",
-        mixed_tokens=totals["mixed_tokens"], recomputed_tokens=totals["recomputed"],
+        mixed_tokens=totals["mixed_tokens"], recomputed_tokens=totals["recomputed_tokens"],
         dropped_stale_calls=buffer_metrics.get("dropped_calls", 0),
         staleness_histogram=buffer_metrics.get("staleness", {}),
         devices=devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),

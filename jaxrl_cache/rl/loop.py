@@ -1,0 +1,179 @@
+"""The GRPO loop as library functions: a training script is a prompt source, a reward and
+a loop over `grpo_step`.
+
+One step: rollout calls (synchronous: at the trainer's version; asynchronous: drawn from a
+RolloutWorker's buffer) -> decode -> reward of every sample -> attribution audit (every
+sample, or the first `audit_samples` of each call) -> `train_step` (micro-batches, one or
+more updates) -> sync/publish of the new params -> one metrics record, read from the device
+once, with the seconds of each phase.
+
+Policy history: the params of every version a sample in flight may still hold tokens of
+(the lag window) are kept for the audit; older ones are released. Donating the trainer's
+buffers (`TrainConfig.donate`) is refused when the window keeps old versions alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Protocol
+
+import jax
+import numpy as np
+
+from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages, make_batch,
+                                  train_step)
+from jaxrl_cache.rollout.types import RolloutBatch, WeightAck
+
+
+class Rollouts(Protocol):
+    """Where a step's rollout calls come from, and where new params go."""
+
+    def get(self, step: int, state: TrainState) -> list[tuple[object, RolloutBatch]]:
+        """[(meta, batch)] of this step's calls (meta: what the prompt source returned)."""
+
+    def publish(self, state: TrainState) -> WeightAck: ...
+
+    def close(self) -> dict: ...
+
+
+class SyncRollouts:
+    """Each step: `calls` rollout calls at the trainer's version, then train, then sync.
+    prompt_source(call) -> (prompts, meta) for the call-th call of the run; call c of step s
+    is s * calls + c and draws with key fold_in(key, c) (a resumed run replays nothing)."""
+
+    def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int, key):
+        self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
+        self.calls, self.key = calls, key
+
+    def get(self, step: int, state: TrainState):
+        out = []
+        for c in range(step * self.calls, (step + 1) * self.calls):
+            prompts, meta = self.prompt_source(c)
+            out.append((meta, self.engine.rollout(state.params, int(state.version), prompts,
+                                                  self.sampling,
+                                                  rng=jax.random.fold_in(self.key, c))))
+        return out
+
+    def publish(self, state: TrainState) -> WeightAck:
+        return self.engine.sync_weights(state.params, state.version)
+
+    def close(self) -> dict:
+        return {}
+
+
+class AsyncRollouts:
+    """A RolloutWorker generates the next calls while the trainer trains; weight updates
+    land between decode chunks (engine kv_policy); calls beyond the lag are dropped. The
+    worker starts at call `first_call` (a resumed run continues the sequence of calls)."""
+
+    def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
+                 max_policy_lag: int, key, state: TrainState, first_call: int = 0,
+                 stop_timeout: float = 60.0):
+        from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
+        self.calls, self.stop_timeout = calls, stop_timeout
+        self.buffer = SampleBuffer(calls, max_policy_lag)
+        self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key)
+        self.worker.start(state.params, state.version, first_call=first_call)
+
+    def get(self, step: int, state: TrainState):
+        return [(item.meta, item.batch)
+                for item in self.buffer.get(self.calls, int(state.version))]
+
+    def publish(self, state: TrainState) -> WeightAck:
+        return self.worker.publish(state.params, state.version)
+
+    def close(self) -> dict:
+        self.worker.stop(timeout=self.stop_timeout)
+        self.buffer.drain()  # generated ahead for steps that will not run
+        return self.buffer.metrics()
+
+
+class PolicyHistory:
+    """Params by version for the audit: the newest version and the `lag` before it."""
+
+    def __init__(self, lag: int):
+        self.lag, self.params = lag, {}
+
+    def add(self, version: int, params) -> None:
+        self.params[version] = params
+        for old in [v for v in self.params if v < version - self.lag]:
+            del self.params[old]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    state: TrainState
+    record: dict  # host numbers: the metrics row of the step
+    texts: list  # [(meta, sample, text)] of every sample, in batch order
+    ack: WeightAck
+
+
+def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable, *,
+              decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
+              advantages: Callable = group_advantages, audit_samples: int | None = None,
+              ref_params=None, max_policy_lag: int | None = None, mesh=None) -> StepResult:
+    """One GRPO step (see the module doc). reward(meta, sample, text) -> float;
+    decode(token ids) -> str (used when a sample has no text of its own); history holds the
+    current version's params on entry and gets the new version's. audit_samples: audit
+    the first k samples of each call (None: all). max_policy_lag: train_step's staleness
+    bound (None: history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError if the audit
+    flags a sample (a misattributed sample is never trained on)."""
+    if train.donate and history.lag > 0:
+        raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
+                         "params of older versions, which donation would delete")
+    version = int(state.version)
+    t0 = time.perf_counter()
+    parts = rollouts.get(step, state)
+    t1 = time.perf_counter()
+    texts, rewards = [], []
+    for meta, batch in parts:
+        for s in batch.samples:
+            text = s.text if s.text is not None else decode(s.output_ids)
+            texts.append((meta, s, text))
+            rewards.append(float(reward(meta, s, text)))
+    t2 = time.perf_counter()
+    audited = flagged = checked = mixed = 0
+    for _, batch in parts:
+        subset = batch if audit_samples is None else dataclasses.replace(
+            batch, samples=batch.samples[:audit_samples])
+        report = audit_attribution(subset, history.params, state.config)
+        audited += report.num_samples
+        flagged += len(report.flagged)
+        checked += report.num_checked_tokens
+        mixed += report.num_mixed_tokens
+        if not report.ok:
+            raise RuntimeError(f"step {step}: the attribution audit flagged samples "
+                               f"{list(report.flagged)[:8]} of a call at version "
+                               f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
+                               f"missing versions {list(report.missing_versions)})")
+    t3 = time.perf_counter()
+    batch = make_batch([b for _, b in parts], rewards, advantages=advantages)
+    lag = history.lag if max_policy_lag is None else max_policy_lag
+    new_state, metrics = train_step(state, batch, train, ref_params=ref_params, mesh=mesh,
+                                    max_policy_lag=lag)
+    metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
+    t4 = time.perf_counter()
+    ack = rollouts.publish(new_state)
+    t5 = time.perf_counter()
+    history.add(int(new_state.version), new_state.params)
+    batches = [b for _, b in parts]
+    prompt = sum(b.prompt_tokens for b in batches)
+    record = dict(
+        step=step, version=version, next_version=ack.version,
+        reward=float(np.mean(rewards)), samples=len(rewards),
+        loss=float(metrics["loss"]), lr=float(metrics["lr"]),
+        grad_norm=float(metrics["grad_norm"]), clip_fraction=float(metrics["clip_fraction"]),
+        kl=float(metrics["kl"]), staleness_max=int(metrics["staleness_max"]),
+        updates=int(metrics["updates"]),
+        generated_tokens=sum(b.generated_tokens for b in batches), prompt_tokens=prompt,
+        cached_tokens=sum(b.cached_tokens for b in batches),
+        reused_tokens=sum(b.reused_tokens for b in batches),
+        cache_hit_rate=sum(b.cached_tokens for b in batches) / max(prompt, 1),
+        prefill_saved=sum(b.reused_tokens for b in batches) / max(prompt, 1),
+        audited_samples=audited, audit_checked_tokens=checked, audit_failed=flagged,
+        mixed_tokens=mixed, recomputed_tokens=sum(b.recomputed_tokens for b in batches),
+        invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
+        rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
+        train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
+    return StepResult(new_state, record, texts, ack)
