@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from jaxrl_cache.app import cli, demo
+from jaxrl_cache.rl import loop
 from jaxrl_cache.app.run_dir import RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.models import (ModelConfig, forward, from_pretrained, init_params,
@@ -208,7 +209,7 @@ def test_bundled_task_file_through_the_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_after_the_current_step_and_saves(tmp_path, monkeypatch, sig):
-    real = demo.train_step
+    real = loop.train_step
     calls = {"n": 0}
 
     def interrupting(*args, **kwargs):
@@ -217,7 +218,7 @@ def test_signal_stops_after_the_current_step_and_saves(tmp_path, monkeypatch, si
             os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(demo, "train_step", interrupting)
+    monkeypatch.setattr(loop, "train_step", interrupting)
     out = tmp_path / "run"
     summary = demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
     assert summary["interrupted"] and summary["final_version"] == 2
@@ -225,19 +226,19 @@ def test_signal_stops_after_the_current_step_and_saves(tmp_path, monkeypatch, si
 
 
 def test_second_ctrl_c_aborts_but_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    real = demo.train_step
+    real = loop.train_step
 
     def interrupting_twice(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(demo, "train_step", interrupting_twice)
+    monkeypatch.setattr(loop, "train_step", interrupting_twice)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
     assert latest_checkpoint_version(out / "checkpoints") == 0 and not read_rows(out)
-    monkeypatch.setattr(demo, "train_step", real)
+    monkeypatch.setattr(loop, "train_step", real)
     summary = demo.run_demo(demo.DemoOptions(out=str(out), resume=True,
                                              **dict(SMALL, steps=2)))
     assert [r["step"] for r in read_rows(out)] == [0, 1] and summary["final_version"] == 2

@@ -231,21 +231,22 @@ def test_a_resumed_worker_continues_the_call_numbering():
                       rng=jax.random.key(0)).start(PARAMS[0], 0, first_call=-1)
 
 
-def test_the_async_demo_resumes_at_the_call_its_version_reached():
-    """demo --async --resume: the worker's first call is start_version * rollout_calls."""
-    from jaxrl_cache.app.demo import _AsyncRollouts
+def test_async_rollouts_resume_at_the_call_the_run_reached():
+    """demo --async --resume at step 3 (2 calls per step): the worker's first call is 6, the
+    prompts and keys the original run used there (the demo passes start_step * calls)."""
+    from jaxrl_cache.rl.loop import AsyncRollouts
     asked = []
 
     def prompts_of(call):
         asked.append(call)
         return source(call)
 
-    opts = types.SimpleNamespace(rollout_calls=2, max_policy_lag=1)
     state = types.SimpleNamespace(params=PARAMS[0], version=3)
     eng = RolloutEngine(CONFIG, CacheConfig(num_pages=64, page_size=4),
                         scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=2),
                         backend="xla", kv_policy="recompute", max_policy_lag=1, version=3)
-    rollouts = _AsyncRollouts(opts, eng, SAMPLING, prompts_of, jax.random.key(0), state)
+    rollouts = AsyncRollouts(eng, prompts_of, SAMPLING, calls=2, max_policy_lag=1,
+                             key=jax.random.key(0), state=state, first_call=6)
     got = rollouts.get(3, state)
     rollouts.close()
     assert [meta for meta, _ in got] == [6, 7] and asked[:2] == [6, 7]

@@ -14,6 +14,7 @@ buffers (`TrainConfig.donate`) is refused when the window keeps old versions ali
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Callable, Protocol
 
@@ -69,7 +70,7 @@ class AsyncRollouts:
 
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
-                 stop_timeout: float = 60.0):
+                 stop_timeout: float = 120.0):
         from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
         self.calls, self.stop_timeout = calls, stop_timeout
         self.buffer = SampleBuffer(calls, max_policy_lag)
@@ -84,7 +85,12 @@ class AsyncRollouts:
         return self.worker.publish(state.params, state.version)
 
     def close(self) -> dict:
-        self.worker.stop(timeout=self.stop_timeout)
+        """Stops the worker; a call still in flight after stop_timeout is left to its daemon
+        thread (one line says so), so that the caller's final save still runs."""
+        try:
+            self.worker.stop(timeout=self.stop_timeout)
+        except TimeoutError as e:
+            print(f"{e}; leaving it to exit with the process", file=sys.stderr)
         self.buffer.drain()  # generated ahead for steps that will not run
         return self.buffer.metrics()
 
