@@ -12,7 +12,9 @@ from jaxrl_cache.models import (DecoderLM, ModelConfig, forward, from_pretrained
 from jaxrl_cache.rl.audit import AuditReport, audit_attribution
 from jaxrl_cache.rl.checkpoint import (CheckpointError, latest_checkpoint_version,
                                        restore_checkpoint, save_checkpoint)
-from jaxrl_cache.rl.train import TrainBatch, TrainState, make_batch, make_optimizer, train_step
+from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
+from jaxrl_cache.rl.train import (TrainBatch, TrainConfig, TrainState, make_batch, make_optimizer,
+                                  train_step)
 from jaxrl_cache.rollout import (CacheConfig, Produced, RolloutBatch, RolloutEngine,
                                  RolloutWorker, Sample, SampleBuffer, SamplingParams,
                                  SchedulerConfig, WeightAck)
@@ -25,5 +27,6 @@ __all__ = [
     "ModelConfig", "forward", "from_pretrained", "init_params", "load_tokenizer",
     "save_pretrained", "CacheStats", "PackedTokens", "RadixCache", "SamplingParams", "TrainBatch",
     "TrainState", "make_batch", "make_optimizer", "train_step", "Produced", "RolloutWorker",
-    "SampleBuffer",
+    "SampleBuffer", "TrainConfig", "AsyncRollouts", "PolicyHistory", "SyncRollouts",
+    "grpo_step",
 ]
