@@ -68,7 +68,19 @@ def test_jsonl_task(tmp_path):
     rows = [json.loads(line) for line in TASK_FILE.read_text().splitlines()]
     assert [(e.prompt, e.answer) for e in task.examples] == [(r["prompt"], r["answer"])
                                                              for r in rows]
-    assert all(e in task.examples for e in task.sample(np.random.default_rng(0), 10))
+    held = {(r["prompt"], r["answer"]) for r in rows[3::4]}  # every 4th line of 60
+    assert {(e.prompt, e.answer) for e in task.held_out} == held and len(held) == 15
+    drawn = task.sample(np.random.default_rng(0), 1000)
+    assert {(e.prompt, e.answer) for e in drawn} == {(r["prompt"], r["answer"])
+                                                    for r in rows} - held
+    evals = task.eval_examples(np.random.default_rng(0), 30)  # each held-out one twice
+    assert sorted(evals[:15], key=str) == sorted(evals[15:], key=str) == \
+        sorted(task.held_out, key=str)
+    dup = tmp_path / "dup.jsonl"  # a held-out prompt is never trained on, even if repeated
+    dup.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                           for p in "abcdea"))
+    assert [e.prompt for e in JsonlTask(dup).held_out] == ["b", "a"]
+    assert {e.prompt for e in JsonlTask(dup).train} == {"c", "d", "e"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "a"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: expected"):
@@ -195,16 +207,40 @@ def test_resume_cuts_metrics_to_the_checkpoint(tmp_path, capsys):
         run.read_rows(2)
 
 
-def test_bundled_task_file_through_the_cli(tmp_path, capsys):
+def test_bundled_task_file_through_the_cli(tmp_path, capsys, monkeypatch):
+    """Evaluation rolls out only the held-out lines (every 4th), training only the others."""
+    rolled = []  # (n, prompts as text) of every rollout call
+    real = demo.RolloutEngine.rollout
+    tok = char_tokenizer()
+
+    def spy(self, params, version, prompts, sampling, **kwargs):
+        rolled.append((sampling.n, [tok.decode(p) for p in prompts]))
+        return real(self, params, version, prompts, sampling, **kwargs)
+
+    monkeypatch.setattr(demo.RolloutEngine, "rollout", spy)
     out = tmp_path / "add"
     code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "2", "--out", str(out),
                      *SMALL_ARGS, "--max-new-tokens", "3"])
     assert code == 0
     text = capsys.readouterr().out
     assert "after SFT" in text and "exported policy (HF)" in text
-    prompts = {e.prompt for e in JsonlTask(TASK_FILE).examples}
+    lines = [json.loads(line)["prompt"] for line in TASK_FILE.read_text().splitlines()]
+    held, trained = set(lines[3::4]), set(lines) - set(lines[3::4])
+    evals = [p for n, ps in rolled if n == 1 for p in ps]
+    grpo = [p for n, ps in rolled if n == 2 for p in ps]
+    assert len(evals) == 2 * 4 and len(grpo) == 2 * 4  # eval before and after; 2 steps x 4
+    assert set(evals) <= held and set(grpo) <= trained
     rows = read_rows(out)
-    assert len(rows) == 2 and all(r["sample"]["prompt"] in prompts for r in rows)
+    assert len(rows) == 2 and all(r["sample"]["prompt"] in trained for r in rows)
+
+
+def test_summary_says_before_grpo_without_a_warm_start(tmp_path, capsys):
+    code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "1", "--out",
+                     str(tmp_path / "run"), *SMALL_ARGS, "--sft-steps", "0",
+                     "--max-new-tokens", "3"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "before GRPO" in text and "after SFT" not in text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

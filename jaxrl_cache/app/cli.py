@@ -184,7 +184,8 @@ def _demo(args) -> int:
         ("exact match in training, first -> last",
          f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"),
         (f"exact match (eval, {s['eval_prompts']} prompts)",
-         f"after SFT {s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),
+         f"{'after SFT' if s['warm_started'] else 'before GRPO'} "
+         f"{s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),
         ("tokens generated", f"{s['generated_tokens']:,}"),
         ("prefill saved (radix + group)", f"{s['prefill_tokens_saved']:,} ({saved:.1%})"),
         ("served by the radix cache", f"{s['radix_cached_tokens']:,}"),

@@ -43,7 +43,7 @@ from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkp
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.train import TrainConfig, TrainState, make_optimizer
+from jaxrl_cache.rl.train import TrainConfig, TrainState, check_memory, make_optimizer
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
 MAX_SEED = 2**32 - 1
@@ -271,10 +271,17 @@ def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
         config = builtin_model_config(tokenizer.vocab_size)
         params = init_params(config, jax.random.key(opts.seed))
         base = save_pretrained(run.path / "base_model", config, params, tokenizer=tokenizer)
-    sft_steps = opts.sft_steps if opts.sft_steps is not None else (
-        0 if opts.model is not None else 300)
+    sft_steps = _sft_steps(opts)
     return _warm_start(dataclasses.replace(opts, sft_steps=sft_steps), run, task, base) \
         if sft_steps else base
+
+
+def _sft_steps(opts: DemoOptions) -> int:
+    """The warm start's step limit: --sft-steps, else 300 for the built-in model, 0 with
+    --model."""
+    if opts.sft_steps is not None:
+        return opts.sft_steps
+    return 0 if opts.model is not None else 300
 
 
 class _Stop:
@@ -293,8 +300,9 @@ class _Stop:
 
 
 def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> float:
-    """Exact-match success on `eval_prompts` fixed prompts, one sample each."""
-    examples = task.sample(np.random.default_rng([opts.seed, 2]), opts.eval_prompts)
+    """Exact-match success on `eval_prompts` fixed prompts (`task.eval_examples`: a task
+    file's held-out part), one sample each."""
+    examples = task.eval_examples(np.random.default_rng([opts.seed, 2]), opts.eval_prompts)
     batch = engine.rollout(params, version, _encode_prompts(tokenizer, [e.prompt for e in
                                                                         examples]),
                            dataclasses.replace(sampling, n=1), rng=key)
@@ -302,7 +310,8 @@ def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> 
                           == 1.0 for s in batch.samples]))
 
 
-def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | None) -> None:
+def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float,
+          start_label: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -311,8 +320,7 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str, sft_exact: float | N
     ax = axes[0]
     ax.plot(steps, [r["reward"] for r in rows], label="mean reward", alpha=0.8)
     ax.plot(steps, [r["exact_match"] for r in rows], label="exact match", alpha=0.8)
-    if sft_exact is not None:
-        ax.axhline(sft_exact, color="gray", ls="--", lw=1, label="after SFT (eval)")
+    ax.axhline(start_exact, color="gray", ls="--", lw=1, label=f"{start_label} (eval)")
     ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="lower right", fontsize=8)
     for ax, key, label in zip(axes[1:], ("cache_hit_rate", "staleness_max", "version"),
@@ -372,6 +380,7 @@ def run_demo(opts: DemoOptions) -> dict:
             run.clear()
         raise
     train = _train_config(opts, async_rollouts=opts.async_rollouts)
+    check_memory(config, train)  # before the eval and the first rollout
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
@@ -466,9 +475,11 @@ def run_demo(opts: DemoOptions) -> dict:
         jax.random.fold_in(seed_key, 2**30))
     exported = save_pretrained(run.path / "final_model", config, state.params,
                                tokenizer=tokenizer)
-    title = f"jaxrl_cache demo: SFT -> GRPO on {task.name}"
+    warm_started = _sft_steps(opts) > 0
+    title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"
     if rows:
-        _plot(rows, run.path / PLOT, title, record["sft_exact_match"])
+        _plot(rows, run.path / PLOT, title, record["sft_exact_match"],
+              "after SFT" if warm_started else "before GRPO")
     window = max(1, min(10, len(rows) // 4))
     mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
     syncs = [r for r in rows if "sync_seconds" in r]  # rows of runs before --mesh lack them
@@ -479,6 +490,7 @@ def run_demo(opts: DemoOptions) -> dict:
         exact_first=mean("exact_match", rows[:window]),
         exact_last=mean("exact_match", rows[-window:]),
         sft_exact_match=record["sft_exact_match"], rl_exact_match=rl_exact,
+        warm_started=warm_started,
         eval_prompts=opts.eval_prompts, generated_tokens=totals["generated_tokens"],
         prompt_tokens=totals["prompt_tokens"], prefill_tokens_saved=totals["reused_tokens"],
         radix_cached_tokens=totals["cached_tokens"],

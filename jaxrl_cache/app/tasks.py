@@ -9,9 +9,11 @@ with the answer:
   has one, else the whole match) is compared the same way; no match scores 0.0. GSM8K-style
   tasks use e.g. `####\\s*(-?[\\d,.]+)`.
 
-`JsonlTask` reads a file of `{"prompt": ..., "answer": ...}` lines; `CopyDigits` is the
-built-in task of `jaxrl-cache demo` (generated, unlimited). `char_tokenizer` builds the
-character-level tokenizer the demo's own model uses.
+`JsonlTask` reads a file of `{"prompt": ..., "answer": ...}` lines and holds every 4th
+example out of training for evaluation; `CopyDigits` is the built-in task of
+`jaxrl-cache demo` (generated, unlimited). A task's `sample` draws training examples, its
+`eval_examples` the evaluation's. `char_tokenizer` builds the character-level tokenizer the
+demo's own model uses.
 """
 from __future__ import annotations
 
@@ -81,11 +83,21 @@ class CopyDigits:
         numbers = ["".join(map(str, d)) for d in digits]
         return [Example(f"{self.instruction}{x}=", x) for x in numbers]
 
+    def eval_examples(self, rng: np.random.Generator, count: int) -> list[Example]:
+        """Fresh draws (of 10**num_digits numbers; not held out from training)."""
+        return self.sample(rng, count)
+
 
 class JsonlTask:
     """Examples from a UTF-8 JSONL file: one `{"prompt": str, "answer": str}` object per
-    line (blank lines skipped); `lines[i]` is the line number of `examples[i]`. `sample`
-    draws rows uniformly with replacement. Errors name the file and line."""
+    line (blank lines skipped); `lines[i]` is the line number of `examples[i]`.
+
+    Held out for evaluation: every 4th example counted from the last (`examples[n-1],
+    examples[n-5], ...`: ceil(n/4) of n; the 4th, 8th, ..., 60th of 60). `train` is the
+    rest less any example whose prompt is also held out (so no evaluated prompt is ever
+    trained on); it must not be empty. `sample` draws `train` uniformly with replacement;
+    `eval_examples` is a seeded permutation of `held_out`, repeated to `count`. Errors name
+    the file and line."""
 
     def __init__(self, path, reward: Reward = Reward()):
         self.path = pathlib.Path(path)
@@ -114,9 +126,20 @@ class JsonlTask:
             self.lines.append(number)
         if not self.examples:
             raise ValueError(f"--task {self.path}: no examples")
+        n = len(self.examples)
+        self.held_out = [e for i, e in enumerate(self.examples) if (n - 1 - i) % 4 == 0]
+        held = {e.prompt for e in self.held_out}
+        self.train = [e for e in self.examples if e.prompt not in held]
+        if not self.train:
+            raise ValueError(f"--task {self.path}: no examples left to train on once every "
+                             f"4th is held out for evaluation (needs 2 distinct prompts)")
 
     def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
-        return [self.examples[i] for i in rng.integers(0, len(self.examples), count)]
+        return [self.train[i] for i in rng.integers(0, len(self.train), count)]
+
+    def eval_examples(self, rng: np.random.Generator, count: int) -> list[Example]:
+        order = np.resize(rng.permutation(len(self.held_out)), count)
+        return [self.held_out[i] for i in order]
 
 
 def char_tokenizer() -> Tokenizer:
