@@ -266,3 +266,29 @@ def test_bf16_compute_keeps_fp32_params_and_matches_fp32():
     assert {x.dtype for x in jax.tree.leaves(s16.params)} == {jnp.dtype("float32")}
     np.testing.assert_allclose(float(m16["loss"]), float(m32["loss"]), rtol=0.05, atol=1e-3)
     np.testing.assert_allclose(float(m16["grad_norm"]), float(m32["grad_norm"]), rtol=0.1)
+
+
+def test_a_step_that_cannot_fit_says_so_before_any_work(monkeypatch):
+    """One line with the numbers and the setting to change; the state is untouched."""
+    from jaxrl_cache.models import ModelConfig
+    from jaxrl_cache.rl import train
+    from jaxrl_cache.rl.train import TrainMemoryError, check_memory, estimate_step_bytes
+    smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                       head_dim=64, d_ff=1536, max_seq_len=2048)
+    need = estimate_step_bytes(smol, TrainConfig())
+    assert need["state"] == 8 * 4 * 134_515_008  # params, grads, Adam, temporaries, no donation
+    check_memory(smol, TrainConfig(), available=need["total"])
+    with pytest.raises(TrainMemoryError, match=r"train step needs ~\d+\.\d GiB \(state .* for "
+                       r"micro-batches of 4096 tokens\), .* available; lower token_budget "
+                       r"\(--token-budget\) to about \d+"):
+        check_memory(smol, TrainConfig(), available=int(need["state"] / 1.2))
+    with pytest.raises(TrainMemoryError, match="the state alone does not fit"):
+        check_memory(smol, TrainConfig(), available=need["state"] // 4)
+    sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=1)
+    batch = make_batch(rollouts, rewards(rollouts))
+    state = _state()
+    monkeypatch.setattr(train, "available_bytes", lambda: 1024)
+    with pytest.raises(TrainMemoryError, match="lower token_budget|state alone"):
+        train_step(state, batch)
+    assert int(state.version) == 0

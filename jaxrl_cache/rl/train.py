@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 from typing import Callable, Sequence
 
 import flax.struct
@@ -51,7 +52,7 @@ from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
-from jaxrl_cache.rl.packing import PackedBatch, balanced_parts, pack
+from jaxrl_cache.rl.packing import MAX_ROW, PackedBatch, balanced_parts, pack
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -304,6 +305,75 @@ def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[n
     return [np.full(o, 1.0 / norm, np.float32) for o in outputs]
 
 
+class TrainMemoryError(ValueError):
+    """A train step that cannot fit the device memory (raised before any work)."""
+
+
+def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
+                        row_length: int | None = None) -> dict:
+    """Rough peak bytes of one train step: the state (params, gradients, Adam moments, the
+    update's temporaries, and without donation a second params + Adam copy) plus the
+    activations of one micro-batch of `token_budget` tokens (each layer's saved input,
+    one layer's rematerialised backward, attention scores of rows of `row_length`, one
+    LM-head chunk; row_length None: the longest rows packing makes). Independent of the
+    batch size: that is the point of the budget."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+        jax.eval_shape(lambda: _param_shapes(config))))
+    param = 4 * n
+    state = param * (5 if cfg.donate else 8)
+    act = 2 if cfg.compute_dtype == "bfloat16" else 4
+    t, d = cfg.token_budget, config.d_model
+    width = min(MAX_ROW if row_length is None else max(row_length, 1), t)
+    qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    saved = config.n_layers * t * d * act * (1 if cfg.remat != "none" else 12)
+    layer = 3 * t * (3 * config.d_ff + 8 * d + qkv) * act + 12 * t * config.n_heads * width
+    head = 4 * 4 * cfg.logprob_chunk * config.vocab_size
+    return dict(state=state, activations=saved + layer + head, total=state + saved + layer + head)
+
+
+def _param_shapes(config):
+    from jaxrl_cache.models.llama import init_params
+    return init_params(config, jax.random.key(0))
+
+
+def available_bytes() -> int | None:
+    """Memory a step may use: the device's limit (accelerators), or on CPU this process's
+    resident memory plus the machine's available memory. None if unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(meminfo["MemAvailable"].split()[0]) * 1024 + rss
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+MEMORY_SLACK = 1.25  # the estimate is rough: refuse only what clearly cannot fit
+
+
+def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
+                 available: int | None = None) -> None:
+    """Raises TrainMemoryError (one line, the numbers and the setting to change) if the
+    step's estimate exceeds MEMORY_SLACK x the available memory (default
+    `available_bytes()`; unknown: no check)."""
+    have = available_bytes() if available is None else available
+    need = estimate_step_bytes(config, cfg, row_length)
+    if have is None or need["total"] <= MEMORY_SLACK * have:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    per_token = max(need["activations"] / cfg.token_budget, 1.0)
+    fits = int((MEMORY_SLACK * have - need["state"]) / per_token) // 256 * 256
+    hint = (f"lower token_budget (--token-budget) to about {fits}" if fits >= 256 else
+            "the state alone does not fit: donate=True, a smaller model or more memory")
+    raise TrainMemoryError(
+        f"train step needs ~{gib(need['total'])} (state {gib(need['state'])} + "
+        f"{gib(need['activations'])} for micro-batches of {cfg.token_budget} tokens), "
+        f"{gib(have)} available; {hint}")
+
+
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
     """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`)."""
     if batch.num_samples < cfg.mini_batches:
@@ -486,7 +556,8 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     that is negative or not finite at one of the versions; VersionError if the version would
     pass the int32 range; StalenessError if a sample's oldest token lags the state's version
     by more than max_policy_lag, or a token is newer than the state; ValueError (one line,
-    with the numbers) if a sample cannot fit the token budget. Raises NonFiniteUpdate
+    with the numbers) if a sample cannot fit the token budget, TrainMemoryError if the step's
+    estimate (`estimate_step_bytes`) exceeds the available memory. Raises NonFiniteUpdate
     (carrying the unchanged state) if a loss or gradient norm came out non-finite.
     """
     if not isinstance(state, TrainState):
@@ -520,6 +591,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
+    check_memory(state.config, cfg, packed.tokens.shape[-1])
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     layout = None
     if mesh is not None:
