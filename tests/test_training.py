@@ -298,3 +298,13 @@ def test_train_and_audit_compile_once_per_shape(engine):
         assert report.ok and report.num_checked_tokens == b.generated_tokens
     assert train._train_jit._cache_size() == train_before + 1
     assert logprobs._next_token_log_probs._cache_size() - audit_before <= 1
+
+
+def test_a_rollout_that_moves_the_version_reports_the_syncs_own_time(engine, state):
+    """sync_ack.seconds of a rollout at a newer version is the staging and commit of the
+    weights, not the generation (it used to be the whole call)."""
+    engine.rollout(state.params, 0, PROMPTS, SP, rng=jax.random.key(0))
+    long = SamplingParams(n=4, max_new_tokens=24, temperature=1.0)
+    b = engine.rollout(varied_params(3), 1, PROMPTS, long, rng=jax.random.key(1))
+    assert b.sync_ack is not None and b.sync_ack.version == 1
+    assert b.decode_steps >= 23 and b.sync_ack.seconds < 0.5 * b.seconds

@@ -53,6 +53,7 @@ class _Weights(NamedTuple):
     version: int
     params: object  # resident copy on the engine's device (None before the first sync)
     source: tuple  # the caller's leaves they came from (identity checks)
+    staged_seconds: float = 0.0  # time spent validating and copying them (sync_ack.seconds)
 
 
 def _same_leaves(tree, leaves) -> bool:
@@ -218,6 +219,7 @@ class RolloutEngine:
                     f"version {version} is already synced with different params; a weight "
                     f"change must come with a new version (got {version} again)")
             return None
+        begun = time.perf_counter()
         self._check_params(params)
         # copies: the caller may mutate its numpy arrays (device_put of numpy can be
         # zero-copy on CPU, whatever may_alias says) or donate its jax arrays afterwards
@@ -228,9 +230,13 @@ class RolloutEngine:
         if not bool(_all_finite(resident)):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
-        return _Weights(version, resident, tuple(jax.tree.leaves(params)))
+        return _Weights(version, resident, tuple(jax.tree.leaves(params)),
+                        time.perf_counter() - begun)
 
-    def _commit(self, staged: _Weights, start: float) -> WeightAck:
+    def _commit(self, staged: _Weights, start: float | None = None) -> WeightAck:
+        """Commits staged weights; the ack's seconds are the sync's own time (staging from
+        `start`, or the staged copy's own time, plus this commit), never a rollout's."""
+        start = (time.perf_counter() - staged.staged_seconds) if start is None else start
         previous = self._weights.version
         oldest = self._cache_key(max(staged.version - self.max_policy_lag, 0))
         before = set(self.cache.versions())
@@ -309,7 +315,7 @@ class RolloutEngine:
                 run.step()
         finally:
             self._end_run(run)
-        ack = None if staged is None else self._commit(staged, start)
+        ack = None if staged is None else self._commit(staged)
         return run.batch(start, ack)
 
     def _rollout_async(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
@@ -349,7 +355,7 @@ class RolloutEngine:
         current = self._weights
         if staged is None or (staged.version <= current.version and current.params is not None):
             return None
-        return self._commit(staged, start)
+        return self._commit(staged)
 
     def _between_steps(self, run: "_Run") -> None:
         """Asynchronous mode: called between steps, outside the lock (tests override it to
