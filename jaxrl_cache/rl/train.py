@@ -339,7 +339,7 @@ def _param_shapes(config):
 def available_bytes() -> int | None:
     """Memory a step may use: the device's limit (accelerators), or on CPU this process's
     resident memory plus the machine's available memory. None if unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # addressable in multi-process runs
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     try:

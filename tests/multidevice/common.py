@@ -9,7 +9,10 @@ import numpy as np
 import optax
 
 from jaxrl_cache.models import ModelConfig, init_params
-from jaxrl_cache.rl.train import TrainBatch, TrainState, teacher_forced_log_probs
+from jaxrl_cache.rl.train import TrainBatch, TrainState, make_batch
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import RolloutBatch, Sample
+from tests.helpers import teacher_forced_log_probs
 
 CONFIG = ModelConfig.tiny(vocab_size=32, n_layers=1, d_model=32, n_heads=8, n_kv_heads=2,
                           head_dim=8, d_ff=64)
@@ -18,6 +21,7 @@ NUM_PAGES, PAGE_SIZE = 8, 4
 # reduction-order noise in g stays noise in the params (with eps=1e-8 a near-zero gradient's
 # sign decides a full lr step).
 TX = optax.scale_by_adam(eps=1e-1)
+SAMPLING = SamplingParams(max_new_tokens=29)  # temperature 1, no top-k / top-p
 
 
 def params(seed: int = 0):
@@ -30,20 +34,25 @@ def train_state(seed: int = 0) -> TrainState:
     return TrainState.create(params(seed), TX, config=CONFIG, lr_schedule=1e-2)
 
 
-def train_batch(n: int = 8, length: int = 12) -> TrainBatch:
-    """n sequences; positions >= 3 are outputs; behavior logprobs from slightly different
-    params, so ratios differ from 1."""
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (n, length)), jnp.int32)
-    mask = jnp.asarray(np.broadcast_to(np.arange(length - 1) >= 2, (n, length - 1)), jnp.float32)
-    t, p, k = jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0)
-    behavior = jax.jit(teacher_forced_log_probs, static_argnums=1)(params(1), CONFIG, tokens,
-                                                                     t, p, k)
-    return TrainBatch(tokens=tokens, loss_mask=mask, behavior_logprobs=behavior,
-                      advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
-                      behavior_version=jnp.zeros(n, jnp.int32),
-                      token_versions=jnp.zeros((n, length - 1), jnp.int32), temperature=t,
-                      top_p=p, top_k=k)
+def train_batch(n: int = 8, seed: int = 0) -> TrainBatch:
+    """n samples through make_batch: 17 to 32 tokens (one per packed row of 32, so 8 samples
+    fill a data 2 x fsdp 4 mesh row for row), prompts of 3 to 6 tokens. Behavior log-probs
+    are the dense model's under slightly different params (params(1)), so ratios differ
+    from 1; the advantages are the rewards (normal draws, one group per sample)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, CONFIG.vocab_size, (n, 32)).astype(np.int32)
+    behavior = np.asarray(jax.jit(teacher_forced_log_probs, static_argnums=1)(
+        params(1), CONFIG, jnp.asarray(tokens), **SAMPLING.as_arrays()))  # causal: prefixes
+    samples = []
+    for i, (length, prompt) in enumerate(zip(rng.integers(17, 33, n), rng.integers(3, 7, n))):
+        seq = [int(t) for t in tokens[i, :length]]
+        samples.append(Sample(tuple(seq[:prompt]), tuple(seq[prompt:]),
+                              behavior[i, prompt - 1:length - 1], 0,
+                              np.zeros(length - prompt, np.int64), 0, "length", i))
+    rollout = RolloutBatch(samples=samples, version=0, sampling=SAMPLING, prefill_tokens=0,
+                           reused_tokens=0, cached_tokens=0, decode_steps=0, decode_chunks=0,
+                           prefill_launches=0, seconds=0.0)
+    return make_batch(rollout, rng.normal(size=n), advantages=lambda rewards, groups: rewards)
 
 
 # Two prompts (5 and 3 tokens) packed for prefill; pages 1-2 and 3-4.

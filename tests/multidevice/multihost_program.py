@@ -19,9 +19,9 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxrl_cache.models import decode_forward, prefill_forward  # noqa: E402
-from jaxrl_cache.parallel import (batch_shardings, engine_kv_cache, make_mesh, place,  # noqa: E402
-                                  reshard, rollout_shardings, shard_forward,
-                                  sharded_train_step, train_state_shardings)
+from jaxrl_cache.parallel import (engine_kv_cache, make_mesh, place, reshard,  # noqa: E402
+                                  rollout_shardings, shard_forward, train_state_shardings)
+from jaxrl_cache.rl.train import train_step  # noqa: E402
 from tests.multidevice import common  # noqa: E402
 
 
@@ -30,10 +30,8 @@ def main(out: str) -> None:
     train_mesh = make_mesh({"data": 2, "fsdp": 4})
     engine_mesh = make_mesh({"tensor": 8})
     state = common.train_state()
-    batch = common.train_batch()
     state = place(state, train_state_shardings(state, train_mesh))
-    batch = place(batch, batch_shardings(batch, train_mesh))
-    state, metrics = sharded_train_step(state, batch)
+    state, metrics = train_step(state, common.train_batch(), mesh=train_mesh)
 
     params, stats = reshard(state.params, rollout_shardings(state.params, common.CONFIG,
                                                              engine_mesh))
