@@ -1,0 +1,324 @@
+"""Peak RSS and seconds per `train_step` at real-model shapes (issue 21, "Measured").
+
+Each point (model shape, N samples x L tokens) runs in a fresh subprocess: random params
+(`init_params`, fp32), `TrainState.create` with the default optimizer, a fake RolloutBatch
+(prompt 32 tokens, outputs fill the rest, finite behavior log-probs) through `make_batch`,
+then `--steps` train steps with the default TrainConfig (plus `--donate`). Reported per
+point: RSS right after params + optimizer init (the floor), peak RSS (ru_maxrss after the
+steps), seconds of each step (the last one is after compile), the load average at the time
+(the machine is shared: times move with load, RSS does not), and computed / real tokens of
+the packing. `--analysis` adds XLA's compiled memory plan of the update
+(`memory_analysis()`: arguments + outputs - aliased + temp); `--steps 0 --analysis` only
+compiles (the plan of a point too slow to run here). Growth per extra 1k tokens is the
+least-squares slope of peak RSS (points that ran steps) and of the plan over the points at
+or above the token budget. A GRPO batch with random output lengths is packed (host only)
+for its computed / real tokens. `--append` adds points to an existing --json.
+
+    python -m benchmarks.train_memory [--points smollm2:8x128,qwen05:8x512] [--donate]
+        [--single-thread] [--steps 2] [--analysis] [--json PATH] [--md PATH] [--append]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+GIB = 2 ** 30
+PROMPT = 32
+MODELS = {  # ModelConfig fields of each shape (random params: only the shapes matter)
+    "smollm2": dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                    head_dim=64, d_ff=1536, max_seq_len=8192, rope_theta=100000.0,
+                    norm_eps=1e-5, tie_embeddings=True),
+    "qwen05": dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                   head_dim=64, d_ff=4864, max_seq_len=32768, rope_theta=1000000.0,
+                   norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+}
+DEFAULT_POINTS = ("smollm2:8x128,smollm2:16x128,smollm2:32x128,smollm2:32x512,"
+                  "smollm2:64x512,smollm2:64x1024,qwen05:8x512,qwen05:32x1024")
+TARGETS = {("smollm2", 32, 512): 6.0, ("smollm2", 64, 1024): 8.0}  # peak RSS GiB
+GROWTH_TARGET = 0.1  # GiB per extra 1k tokens
+
+
+def _status_kib(field: str) -> int:
+    """VmRSS / VmHWM of this process in KiB (/proc/self/status)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"/proc/self/status has no {field}")
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _sample(prompt: tuple, out: int, group: int, vocab: int, rng):
+    """A version-0 Sample of `out` random output ids with behavior log-probs in [-4, 0)."""
+    from jaxrl_cache.rollout.types import Sample
+
+    return Sample(prompt_ids=prompt, output_ids=tuple(int(t) for t in rng.integers(0, vocab, out)),
+                  output_logprobs=rng.uniform(-4, 0, out).astype(np.float32),
+                  behavior_version=0, token_versions=np.zeros(out, np.int64),
+                  cached_tokens=0, finish_reason="length", group=group)
+
+
+def _rollouts(samples: list, group: int, max_new: int):
+    from jaxrl_cache.rollout.sampling import SamplingParams
+    from jaxrl_cache.rollout.types import RolloutBatch
+
+    return RolloutBatch(samples=samples, version=0,
+                        sampling=SamplingParams(n=group, max_new_tokens=max_new),
+                        prefill_tokens=sum(len(s.prompt_ids) for s in samples),
+                        reused_tokens=0, cached_tokens=0, decode_steps=max_new,
+                        decode_chunks=1, prefill_launches=1, seconds=0.0)
+
+
+def fake_rollouts(n: int, length: int, vocab: int, group: int = 8, seed: int = 0):
+    """A RolloutBatch of n samples of `length` tokens (PROMPT random prompt ids + outputs),
+    groups of `group`."""
+    rng = np.random.default_rng(seed)
+    samples = [_sample(tuple(int(t) for t in rng.integers(0, vocab, PROMPT)), length - PROMPT,
+                       i // group, vocab, rng) for i in range(n)]
+    return _rollouts(samples, group, length - PROMPT)
+
+
+def _update_memory_plan(state, batch, cfg) -> dict:
+    """XLA's compiled memory plan (bytes) of the jitted update `train_step` runs."""
+    import jax.numpy as jnp
+
+    from jaxrl_cache.rl import train
+    from jaxrl_cache.rl.logprobs import knobs_of
+
+    packed = train.pack_batch(batch, cfg)
+    knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
+    nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
+                kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)
+    core = train._train_jit_donating if cfg.donate else train._train_jit
+    compiled = core.lower(state.params, state.opt_state, state.version, packed, None, None,
+                          knobs, jnp.zeros(cfg.updates, jnp.float32), nums, tx=state.tx,
+                          config=state.config, kind=kind, cfg=train._structure(cfg)).compile()
+    m = compiled.memory_analysis()
+    return {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                            "alias_size_in_bytes", "temp_size_in_bytes",
+                                            "generated_code_size_in_bytes")}
+
+
+def run_point(model: str, n: int, length: int, steps: int, donate: bool,
+              analysis: bool) -> dict:
+    """One point in this process (meant to be a fresh one): floor, peak RSS, step seconds."""
+    import jax
+
+    from jaxrl_cache.models.config import ModelConfig
+    from jaxrl_cache.models.llama import init_params
+    from jaxrl_cache.rl.train import TrainConfig, TrainState, make_batch, pack_batch, train_step
+
+    config = ModelConfig(**MODELS[model])
+    params = init_params(config, jax.random.key(0))
+    state = TrainState.create(params, config=config, lr_schedule=1e-6)
+    del params
+    jax.block_until_ready(state)
+    floor_kib, init_peak_kib = _status_kib("VmRSS"), _status_kib("VmHWM")
+    rollouts = fake_rollouts(n, length, config.vocab_size)
+    rewards = np.random.default_rng(1).uniform(0, 1, n)
+    batch = make_batch(rollouts, rewards)
+    cfg = TrainConfig(donate=donate)
+    packed = pack_batch(batch, cfg)
+    shape = [int(d) for d in packed.tokens.shape]
+    computed = packed.computed_tokens
+    del packed
+    plan = _update_memory_plan(state, batch, cfg) if analysis else None
+    seconds, loads = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = jax.block_until_ready(train_step(state, batch, cfg))
+        seconds.append(time.perf_counter() - t0)
+        loads.append(_load())
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    planned = None if plan is None else (plan["argument_size_in_bytes"]
+                                         + plan["output_size_in_bytes"]
+                                         - plan["alias_size_in_bytes"]
+                                         + plan["temp_size_in_bytes"])
+    return dict(model=model, n=n, length=length, tokens=n * length, donate=donate,
+                steps=steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                packed_shape_UMBR=shape, computed_tokens=computed,
+                real_tokens=batch.real_tokens,
+                computed_over_real=round(computed / batch.real_tokens, 4),
+                floor_gib=round(floor_kib / 2**20, 3),
+                init_peak_gib=round(init_peak_kib / 2**20, 3),
+                peak_rss_gib=round(peak_kib / 2**20, 3),
+                step_seconds=[round(s, 2) for s in seconds], load_after_step=loads,
+                loss=float(metrics["loss"]) if steps else None, memory_plan=plan,
+                planned_gib=None if planned is None else round(planned / GIB, 3))
+
+
+def grpo_packing(prompts: int = 32, group: int = 8, max_new: int = 1024, seed: int = 0,
+                 mini_batches=(1, 4)) -> list[dict]:
+    """Computed / real tokens of `pack_batch` on a GRPO batch with random prompt (16-128)
+    and output (1-max_new, uniform) lengths, default token budget (host only)."""
+    from jaxrl_cache.rl.train import TrainConfig, make_batch, pack_batch
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for p in range(prompts):
+        prompt = tuple(int(t) for t in rng.integers(0, 49152, rng.integers(16, 129)))
+        samples += [_sample(prompt, int(rng.integers(1, max_new + 1)), p, 49152, rng)
+                    for _ in range(group)]
+    rollouts = _rollouts(samples, group, max_new)
+    batch = make_batch(rollouts, rng.uniform(0, 1, len(samples)))
+    rows = []
+    for m in mini_batches:
+        packed = pack_batch(batch, TrainConfig(mini_batches=m))
+        rows.append(dict(prompts=prompts, group=group, max_new_tokens=max_new, mini_batches=m,
+                         packed_shape_UMBR=[int(d) for d in packed.tokens.shape],
+                         computed_tokens=packed.computed_tokens,
+                         real_tokens=batch.real_tokens,
+                         computed_over_real=round(packed.computed_tokens / batch.real_tokens,
+                                                  4)))
+    return rows
+
+
+def _growth(rows: list[dict], budget: int, key: str) -> float | None:
+    """Least-squares GiB of `key` per extra 1k tokens over points with >= budget tokens."""
+    big = [r for r in rows if r["tokens"] >= budget and r.get(key) is not None
+           and (r["steps"] or key != "peak_rss_gib")]
+    if len(big) < 2:
+        return None
+    x = np.array([r["tokens"] / 1000 for r in big])
+    y = np.array([r[key] for r in big])
+    return round(float(np.polyfit(x, y, 1)[0]), 4)
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"# train_step memory on CPU ({result['date']})", "",
+             f"fp32, default TrainConfig (token_budget {result['token_budget']}, remat full), "
+             f"make_optimizer(); XLA_FLAGS={env['XLA_FLAGS']!r}; {env['cpus']} CPUs, "
+             f"jax {env['jax']}. Each point a fresh process; floor = RSS after params + "
+             "optimizer init; peak = ru_maxrss after `steps` train steps (steps 0: after "
+             "compiling the update only); plan = XLA's compiled memory plan of the update "
+             "(arguments + outputs - aliased + temp); time = last step (after compile) when "
+             "steps = 2, else the first step (compile included); load = 1/5/15-min load "
+             "average after it.", "",
+             "| model | N x L | donate | XLA 1-thread | steps | packed [U,M,B,R] | computed/real "
+             "| floor GiB | peak GiB | plan GiB | target GiB | s/step | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["points"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['n']}x{r['length']} | {r['donate']} | | | "
+                         f"failed: {r['error']} | | | | | | | |")
+            continue
+        target = TARGETS.get((r["model"], r["n"], r["length"]))
+        secs = r["step_seconds"]
+        lines.append(
+            f"| {r['model']} | {r['n']}x{r['length']} | {r['donate']} | "
+            f"{'eigen=false' in r.get('xla_flags', '')} | {r['steps']} | "
+            f"{r['packed_shape_UMBR']} | {r['computed_over_real']} | {r['floor_gib']} | "
+            f"{r['peak_rss_gib']} | {r['planned_gib'] or ''} | {target or ''} | "
+            f"{secs[-1] if secs else ''}{'' if len(secs) > 1 or not secs else ' (1st)'} | "
+            f"{r['load_after_step'][-1] if secs else r['load_before']} |")
+    lines += ["", "Growth per extra 1k tokens (least squares over points >= the budget; "
+              f"target <= {GROWTH_TARGET} GiB of peak RSS):", ""]
+    for key, value in result["growth_gib_per_1k_tokens"].items():
+        lines.append(f"- {key}: {value}")
+    lines += ["", "GRPO batch with random lengths (prompt 16-128, output 1-max_new uniform):", "",
+              "| prompts x group | max_new | mini_batches | packed [U,M,B,R] | computed/real |",
+              "|---|---|---|---|---|"]
+    for g in result["grpo_packing"]:
+        lines.append(f"| {g['prompts']}x{g['group']} | {g['max_new_tokens']} | "
+                     f"{g['mini_batches']} | {g['packed_shape_UMBR']} | "
+                     f"{g['computed_over_real']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _child_main(args) -> None:
+    model, nl = args.child.split(":")
+    n, length = (int(x) for x in nl.split("x"))
+    row = run_point(model, n, length, args.steps, args.donate, args.analysis)
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def _run_child(point: str, args, timeout: float) -> dict:
+    model, nl = point.split(":")
+    n, length = (int(x) for x in nl.split("x"))
+    cmd = [sys.executable, "-m", "benchmarks.train_memory", "--child", point,
+           "--steps", str(args.steps)] + ["--donate"] * args.donate + \
+        ["--analysis"] * args.analysis
+    t0 = time.time()
+    load_before = _load()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
+                    error=f"timeout after {timeout:.0f} s")
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not found:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
+                    error=f"rc {proc.returncode}: {tail}")
+    row = json.loads(found[-1][len("RESULT "):])
+    row.update(load_before=load_before, wall_seconds=round(time.time() - t0, 1))
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default=DEFAULT_POINTS,
+                   help="comma-separated model:NxL (models: " + ", ".join(MODELS) + ")")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--donate", action="store_true", help="TrainConfig(donate=True)")
+    p.add_argument("--analysis", action="store_true",
+                   help="also compile the update for XLA's memory plan (more compile time)")
+    p.add_argument("--single-thread", action="store_true",
+                   help="XLA_FLAGS=--xla_cpu_multi_thread_eigen=false in the children")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--md", type=pathlib.Path)
+    p.add_argument("--append", action="store_true",
+                   help="add the points to an existing --json (same settings) and rewrite --md")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child_main(args)
+    if args.single_thread:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_multi_thread_eigen=false").strip()
+    import jax
+
+    from jaxrl_cache.rl.train import TrainConfig
+
+    if args.append and args.json and args.json.exists():
+        result = json.loads(args.json.read_text())
+    else:
+        result = dict(date=datetime.date.today().isoformat(),
+                      token_budget=TrainConfig().token_budget, prompt_tokens=PROMPT,
+                      env=dict(XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
+                               cpus=os.cpu_count(), jax=jax.__version__,
+                               python=platform.python_version(), machine=platform.machine()),
+                      points=[], grpo_packing=grpo_packing())
+    for point in args.points.split(","):
+        row = _run_child(point, args, args.timeout)
+        print(json.dumps(row), flush=True)
+        result["points"].append(row)
+    result["growth_gib_per_1k_tokens"] = {
+        f"{m} donate={d} {key}": _growth([r for r in result["points"]
+                                          if r["model"] == m and r["donate"] == d],
+                                         result["token_budget"], key)
+        for m in MODELS for d in (False, True) for key in ("peak_rss_gib", "planned_gib")
+        if any(r["model"] == m and r["donate"] == d for r in result["points"])}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
