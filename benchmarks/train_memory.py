@@ -257,12 +257,12 @@ def _run_child(point: str, args, timeout: float) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
-                    error=f"timeout after {timeout:.0f} s")
+                    steps=args.steps, error=f"timeout after {timeout:.0f} s")
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
         return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
-                    error=f"rc {proc.returncode}: {tail}")
+                    steps=args.steps, error=f"rc {proc.returncode}: {tail}")
     row = json.loads(found[-1][len("RESULT "):])
     row.update(load_before=load_before, wall_seconds=round(time.time() - t0, 1))
     return row
