@@ -116,9 +116,11 @@ def _state(seed=0, lr=1e-2, tx=None):
                              lr_schedule=lr)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo"])
 def test_micro_batches_do_not_change_the_update(loss_type):
-    """Token budgets of the whole batch, 1/4 and 1/16 of it: equal params (fp32)."""
+    """Token budgets of the whole batch, 1/4 and 1/16 of it: equal params (fp32). "grpo"
+    (per-sequence weights) is the aggregation a wrong split would break first; the three
+    aggregations' values are checked against numpy below."""
     sp = dataclasses.replace(SETTINGS[1], max_new_tokens=12)
     rollouts = rollout(varied_params(0), sp, groups=4)
     batch = make_batch(rollouts, rewards(rollouts))
