@@ -9,11 +9,15 @@ import numpy as np
 import optax
 import pytest
 
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.models.llama import forward
+from jaxrl_cache.rl import train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
 from jaxrl_cache.rl.packing import balanced_parts, plan
-from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages_no_std, make_batch,
+from jaxrl_cache.rl.train import (TrainConfig, TrainMemoryError, TrainState, check_memory,
+                                  estimate_step_bytes, group_advantages_no_std, make_batch,
                                   optimizer_counts, pack_batch, train_step)
-from jaxrl_cache.rollout.sampling import SamplingParams, filter_kind
+from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs, filter_kind
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
 
@@ -43,8 +47,6 @@ def _draw(params, prompt, sp, count, rng):
 
 @jax.jit
 def _dense_all(params, tokens, temperature, top_p, top_k):
-    from jaxrl_cache.models.llama import forward
-    from jaxrl_cache.rollout.sampling import behavior_log_probs
     return behavior_log_probs(forward(params, CONFIG, tokens), temperature, top_p, top_k)
 
 
@@ -240,7 +242,6 @@ def test_padding_waste_on_a_grpo_batch():
 def _compiled_text(sp):
     rollouts = rollout(varied_params(0), sp, groups=1)
     batch = make_batch(rollouts, rewards(rollouts))
-    from jaxrl_cache.rl import train
     state = _state()
     cfg = TrainConfig()
     packed = pack_batch(batch, cfg)
@@ -272,9 +273,6 @@ def test_bf16_compute_keeps_fp32_params_and_matches_fp32():
 
 def test_a_step_that_cannot_fit_says_so_before_any_work(monkeypatch):
     """One line with the numbers and the setting to change; the state is untouched."""
-    from jaxrl_cache.models import ModelConfig
-    from jaxrl_cache.rl import train
-    from jaxrl_cache.rl.train import TrainMemoryError, check_memory, estimate_step_bytes
     smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                        head_dim=64, d_ff=1536, max_seq_len=2048)
     need = estimate_step_bytes(smol, TrainConfig())

@@ -25,6 +25,7 @@ from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages, make_batch,
                                   train_step)
 from jaxrl_cache.rollout.types import RolloutBatch, WeightAck
+from jaxrl_cache.rollout.worker import RolloutWorker, SampleBuffer
 
 
 class Rollouts(Protocol):
@@ -71,7 +72,6 @@ class AsyncRollouts:
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
                  stop_timeout: float = 120.0):
-        from jaxrl_cache.rollout import RolloutWorker, SampleBuffer
         self.calls, self.stop_timeout = calls, stop_timeout
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key)

@@ -49,7 +49,7 @@ from optax import tree_utils as otu
 
 from jaxrl_cache.checks import as_count, as_real
 from jaxrl_cache.errors import StalenessError, VersionError
-from jaxrl_cache.models.llama import ModelConfig
+from jaxrl_cache.models.llama import ModelConfig, init_params
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
 from jaxrl_cache.rl.packing import MAX_ROW, PackedBatch, balanced_parts, pack
@@ -317,9 +317,7 @@ def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
     one layer's rematerialised backward, attention scores of rows of `row_length`, one
     LM-head chunk; row_length None: the longest rows packing makes). Independent of the
     batch size: that is the point of the budget."""
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-        jax.eval_shape(lambda: _param_shapes(config))))
-    param = 4 * n
+    param = 4 * _param_count(config)
     state = param * (5 if cfg.donate else 8)
     act = 2 if cfg.compute_dtype == "bfloat16" else 4
     t, d = cfg.token_budget, config.d_model
@@ -331,9 +329,11 @@ def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
     return dict(state=state, activations=saved + layer + head, total=state + saved + layer + head)
 
 
-def _param_shapes(config):
-    from jaxrl_cache.models.llama import init_params
-    return init_params(config, jax.random.key(0))
+@functools.lru_cache(maxsize=None)
+def _param_count(config: ModelConfig) -> int:
+    """Parameters of a model (abstract init, once per config: train_step checks every call)."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
 
 def available_bytes() -> int | None:
