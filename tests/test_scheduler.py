@@ -20,6 +20,18 @@ def test_row_pages(prompt_len, max_new, want):
     assert scheduler.row_pages(prompt_len, max_new, PS) == want
 
 
+@given(st.lists(st.booleans(), min_size=1, max_size=300))
+def test_slot_bucket_covers_every_occupied_slot(occupied):
+    """Decode computes slots[:bucket]: every occupied slot lies below it, it is never 1 (the
+    1-row decode that copies the pool) and never more than the slots (or 2), and it takes
+    one of few values (2 or a power of 4) unless capped at the slot count."""
+    slots = [object() if o else None for o in occupied]
+    rows = scheduler.slot_bucket(slots)
+    assert all(i < rows for i, s in enumerate(slots) if s is not None)
+    assert 2 <= rows <= max(len(slots), 2)
+    assert rows in (2, len(slots)) or (rows & (rows - 1) == 0 and rows.bit_length() % 2 == 1)
+
+
 @given(st.integers(1, 1 << 20))
 def test_page_width_bucket_holds_the_row_with_bounded_padding(n):
     """The engine's table width: never smaller than the row, a fixed point (a width is its

@@ -81,6 +81,13 @@ KV_POLICIES = ("wait", "recompute", "keep")
 MAX_POLICY_LAG = 1024  # a reconcile walks the window's versions: its cost is O(lag)
 
 
+def _resize_rows(x, rows: int):
+    """x [B, V] cut or zero-padded to [rows, V] (decode slots beyond B are empty)."""
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
 class RolloutEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig = CacheConfig(), *,
                  scheduler_config: SchedulerConfig = SchedulerConfig(), backend: str = "auto",
@@ -644,17 +651,23 @@ class _Run:
                                   unit.rows[0].pages[:full])
 
     def decode(self) -> None:
+        """One decode chunk over the first `slot_bucket` slots (every live row is there:
+        admission fills the lowest free slots), so empty slots beyond cost nothing."""
         engine = self.engine
         cfg = engine.scheduler_config
-        arrays = scheduler.pack_decode(self.slots, self.width, self.sampling.max_new_tokens)
+        width = scheduler.slot_bucket(self.slots)
+        slots = self.slots[:width] + [None] * (width - len(self.slots))
+        arrays = scheduler.pack_decode(slots, self.width, self.sampling.max_new_tokens)
         refill_at = cfg.max_num_seqs + 1
         if self.waiting:
             refill_at = max(1, min(len(self.waiting), cfg.max_num_seqs // 4))
-        if self.fresh_logits is None:
-            self.fresh_logits = jnp.zeros((cfg.max_num_seqs, engine.model_config.vocab_size),
-                                          jnp.float32)
+        fresh_logits = self.fresh_logits
+        if fresh_logits is None or not arrays.fresh.any():
+            fresh_logits = jnp.zeros((width, engine.model_config.vocab_size), jnp.float32)
+        elif fresh_logits.shape[0] != width:
+            fresh_logits = _resize_rows(fresh_logits, width)
         out = core.decode_chunk(
-            self.weights.params, engine._kv, self.fresh_logits, arrays.fresh,
+            self.weights.params, engine._kv, fresh_logits, arrays.fresh,
             arrays.last_token, arrays.position, arrays.page_table, arrays.budget,
             arrays.sample_index, arrays.emitted, self.stops, np.int32(refill_at),
             **self.knobs, key=self.rng, config=engine.model_config, backend=engine.backend,
@@ -663,10 +676,10 @@ class _Run:
         tokens, logprobs, counts, stopped, steps = jax.device_get(host)
         self.steps += int(steps)
         self.chunks += 1
-        done = scheduler.apply_chunk(self.slots, tokens, logprobs, counts, stopped,
+        done = scheduler.apply_chunk(slots, tokens, logprobs, counts, stopped,
                                      self.sampling.max_new_tokens, self.weights.version)
         if self.text is not None:  # text: stop strings cut rows before they retire
-            done = self.text.stop_rows(self.slots, done)
+            done = self.text.stop_rows(slots, done)
         for i in done:
             self.retire(i)
 

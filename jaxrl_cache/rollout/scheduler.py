@@ -169,6 +169,20 @@ class DecodeArrays:
     emitted: np.ndarray  # int32 [B] tokens emitted so far (position in its PRNG stream)
 
 
+MIN_DECODE_ROWS = 2  # XLA on CPU copies the whole KV pool per layer for a 1-row decode
+
+
+def slot_bucket(slots: list) -> int:
+    """Decode rows to compute: the first of 2, 4, 16, 64, 256, ... covering the last occupied
+    slot (capped at the slot count, never below 2), so a call with fewer rows than slots,
+    or a draining batch, stops paying for its empty slots; few shapes, one compile each."""
+    need = 1 + max((i for i, row in enumerate(slots) if row is not None), default=0)
+    rows = MIN_DECODE_ROWS if need <= MIN_DECODE_ROWS else 4
+    while rows < need:
+        rows *= 4
+    return min(rows, max(len(slots), MIN_DECODE_ROWS))
+
+
 def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
     """slots: Row or None per decode slot."""
     b = len(slots)
