@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models import ModelConfig, copy_pages, decode_forward, prefill_forward
+from jaxrl_cache.parallel import shard_forward
 from jaxrl_cache.rollout.sampling import sample_tokens
 
 
@@ -19,7 +20,6 @@ def _on_mesh(forward, mesh):
     """The model forward, tensor-parallel when the engine has a mesh (parallel.shard_forward)."""
     if mesh is None:
         return forward
-    from jaxrl_cache.parallel import shard_forward
     return shard_forward(forward, mesh)
 
 

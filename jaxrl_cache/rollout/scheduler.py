@@ -1,4 +1,6 @@
-"""Continuous-batching bookkeeping: pure host functions, no model, no device.
+"""Continuous-batching bookkeeping on the host (no model, no device): page math, unit
+layouts, packed arrays, and a call's queue and slots (`Run`: admission, resume, version
+stamping).
 
 A rollout call is a queue of samples (prompt g, sample j), in prompt order. Samples are
 admitted in order into a fixed number of decode slots as pages allow, a *unit* at a time:
@@ -17,9 +19,15 @@ the unit's first row prefills it, the others get a copy (`copies`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+from typing import Sequence
 
 import numpy as np
+
+from jaxrl_cache.cache import PackedTokens, RadixCache
+from jaxrl_cache.shapes import page_width_bucket
+from kernels_pallas._common import next_power_of_2
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -248,3 +256,128 @@ def keep_tokens(row: Row, n: int) -> None:
 def written_outputs(row: Row) -> list:
     """Outputs whose KV the row's pages hold after its prompt's: every one but the last."""
     return row.tokens[:-1]
+
+
+class Run:
+    """One rollout call's host state: its queue, decode slots, finished rows and counters.
+
+    `weights` (.version, .params) is what the call generates with now: admission stamps
+    its version on every row's KV, `apply` on every token; in asynchronous mode the engine
+    moves it forward between steps. `key_of` maps a version to its radix namespace (the
+    engine's `_cache_key`, the only place that mapping is written).
+    """
+
+    def __init__(self, weights, prompts: list[tuple], sampling, rng, *, cache: RadixCache,
+                 page_size: int, share: bool, num_slots: int, max_prefill_tokens: int,
+                 max_policy_lag: int, key_of, text=None):
+        self.weights, self.sampling, self.rng = weights, sampling, rng
+        self.start_version = weights.version
+        self.cache, self.ps, self.share, self.key_of = cache, page_size, share, key_of
+        self.max_prefill_tokens, self.max_policy_lag = max_prefill_tokens, max_policy_lag
+        self.slots: list = [None] * num_slots
+        # Without sharing, each sample is a unit of its own (a baseline).
+        self.waiting = collections.deque((g, j) for g in range(len(prompts))
+                                         for j in range(sampling.n))
+        self.prompts = prompts
+        # each prompt packed once for the cache; a sample's sequences extend it
+        self.packed = [PackedTokens.of(p) for p in prompts] if share else None
+        self.width = page_width_bucket(max(
+            row_pages(len(p), sampling.max_new_tokens, page_size) for p in prompts))
+        self.finished: dict[int, Row] = {}
+        self.computed = self.steps = self.chunks = self.prefills = 0
+        self.recomputed = 0  # context tokens re-prefilled after weight updates
+        self.updates = 0  # weight updates that landed while this call ran
+        self.stops = np.full(next_power_of_2(max(1, len(sampling.stop_token_ids))), -1,
+                             np.int32)  # int32 [K] stop ids, -1 padded
+        self.stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        self.knobs = sampling.as_arrays()
+        self.fresh_logits = None  # f32 [B', V] logits of the last prefill (runner.py)
+        self.text = text  # text.RowText: decoded outputs, stop strings (None: ids only)
+
+    @property
+    def key(self) -> int:
+        """The radix namespace of the run's current version."""
+        return self.key_of(self.weights.version)
+
+    def packed_context(self, group: int, tokens: Sequence[int]) -> PackedTokens:
+        """tokens (prompt `group`, then outputs) in the cache's form: only what follows the
+        prompt is converted."""
+        packed = self.packed[group]
+        n = packed.num_tokens
+        return packed if len(tokens) == n else packed.extend(tokens[n:])
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and all(r is None for r in self.slots)
+
+    def on_update(self, version: int, drop_kv: bool) -> int:
+        """A weight sync to `version` landed between two steps. drop_kv (kv_policy
+        "recompute"): every running row lets go of its pages and will re-prefill its context
+        with the new params before its next token; returns the tokens that will be
+        recomputed. Otherwise ("keep") rows continue over their old KV (their next tokens
+        are flagged mixed). A version the run is already at or past (its own staged one)
+        does not concern it."""
+        if version <= self.weights.version:
+            return 0
+        self.updates += 1
+        if not drop_kv:
+            return 0
+        tokens = 0
+        for row in self.slots:
+            if row is not None and not row.resume:
+                self.cache.release(row.pages)
+                row.pages, row.resume, row.kv_now = np.zeros(0, np.int32), True, set()
+                tokens += len(row.context)
+        return tokens
+
+    def admit(self, claims) -> list[tuple[Unit, list[int]]]:
+        """Re-prefills rows whose KV an update dropped, then admits waiting samples in order
+        while slots and pages allow (one unit per prompt run). claims: this round's
+        page_claims.Round (prompt pages of earlier units are shared by later ones).
+        Returns (unit, slot of each of its rows) pairs."""
+        units, budget = [], self.max_prefill_tokens
+        version = self.weights.version
+        for slot, row in enumerate(self.slots):
+            if row is None or not row.resume:
+                continue
+            unit = claims.resume(row, budget if units else None)
+            if unit is None:
+                return units  # what does not fit waits; resumes go before new samples
+            row.kv_now = {version}
+            row.kv_versions.add(version)
+            units.append((unit, [slot]))
+            budget -= unit.new_tokens
+            self.recomputed += unit.new_tokens
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        while self.waiting and free and budget > 0:
+            g, j = self.waiting[0]
+            rows = 1
+            if self.share:
+                while (rows < len(free) and rows < len(self.waiting)
+                       and self.waiting[rows][0] == g):
+                    rows += 1
+            unit = claims.unit(g, j, rows, budget if units else None)
+            if unit is None:
+                break
+            for row in unit.rows:
+                row.kv_now, row.kv_versions = {version}, {version}
+            for _ in range(len(unit.rows)):
+                self.waiting.popleft()
+            taken, free = free[:len(unit.rows)], free[len(unit.rows):]
+            for slot, row in zip(taken, unit.rows):
+                self.slots[slot] = row
+            units.append((unit, taken))
+            budget -= unit.new_tokens
+        return units
+
+    def apply(self, slots: list, tokens, logprobs, counts, stopped) -> list[int]:
+        """A decode chunk's output (see apply_chunk) stamped with the run's version."""
+        return apply_chunk(slots, tokens, logprobs, counts, stopped,
+                           self.sampling.max_new_tokens, self.weights.version)
+
+    def release_all(self) -> None:
+        """On the way out (success or failure): drop every reference a running row holds."""
+        for i, row in enumerate(self.slots):
+            if row is not None:
+                self.slots[i] = None
+                self.cache.release(row.pages)

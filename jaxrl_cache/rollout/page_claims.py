@@ -1,0 +1,121 @@
+"""Page claims of one admission round: where a unit's pages are reserved.
+
+A unit pins the cached prefix of its context (the radix trie under the run's namespace,
+then the prompt pages earlier units of the same round are prefilling: the round's pending
+trie) and allocates fresh pages for its rows' worst case (scheduler.unit_page_need). A
+claim that does not fit changes nothing. Prompt pages enter the radix trie (`publish`) only
+after the prefill that writes them was dispatched.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl_cache.cache import PackedTokens
+from jaxrl_cache.errors import CacheFullError
+from jaxrl_cache.rollout import scheduler
+
+
+class Round:
+    """The claims of one admission round of `run` (a scheduler.Run) under its current
+    namespace. Every page a returned unit lists is held by its rows (one reference each)."""
+
+    def __init__(self, run: scheduler.Run):
+        self.run, self.cache, self.ps, self.share = run, run.cache, run.ps, run.share
+        self.key = run.key
+        self.pending: dict = {}  # page key -> (page, children): prompt pages being prefilled
+
+    def unit(self, g: int, j: int, rows: int, budget: int | None) -> scheduler.Unit | None:
+        """Up to `rows` samples of prompt g from sample j on (fewer if pages are short); None,
+        changing nothing, if not even one fits now or the prefill budget of this round is
+        spent (budget None: the round's first unit, always within budget)."""
+        run, prompt = self.run, self.run.prompts[g]
+        n_new = run.sampling.max_new_tokens
+        got = self._claim(g, prompt, rows, n_new, budget)
+        if got is None:
+            return None
+        matched, fresh, m = got
+        unit = scheduler.layout_unit(g, prompt, g * run.sampling.n + j, matched, fresh, m,
+                                     n_new, self.ps)
+        prefix = unit.rows[0].pages[:len(prompt) // self.ps]
+        if m > 1:  # every row holds one reference to each of its prefix pages
+            self.cache.pool.incref(np.tile(prefix, m - 1))
+        if self.share:
+            self._remember(run.packed[g], prefix)
+        return unit
+
+    def resume(self, row: scheduler.Row, budget: int | None) -> scheduler.Unit | None:
+        """A one-row unit re-prefilling `row`'s context into a new table (None, changing
+        nothing, if it does not fit now)."""
+        context, max_new = row.context, self.run.sampling.max_new_tokens
+        got = self._claim(row.group, context, 1, max_new - len(row.tokens), budget)
+        if got is None:
+            return None
+        matched, fresh, _ = got
+        unit = scheduler.resume_unit(row, matched, fresh, max_new, self.ps)
+        if self.share:
+            self._remember(self.run.packed_context(row.group, context),
+                           row.pages[:len(context) // self.ps])
+        return unit
+
+    def publish(self, units) -> None:
+        """The round's prefill is dispatched: its units' full prompt pages may be shared.
+        units: (unit, slots) pairs."""
+        if not self.share:
+            return
+        for unit, _ in units:
+            full = len(unit.prompt) // self.ps
+            self.cache.insert(self.key, self.run.packed_context(unit.group, unit.prompt),
+                              unit.rows[0].pages[:full])
+
+    def _claim(self, group, context, rows, n_new, budget):
+        """Pins the cached prefix of `context` (prompt `group` + outputs; trie, then this
+        round's pending prefills) and allocates fresh pages for up to `rows` rows generating
+        up to n_new tokens each. Returns (matched int32 [c], fresh int32 [f], rows granted)
+        or None, changing nothing."""
+        cache, ps = self.cache, self.ps
+        # the last token is always computed: its logits start decode
+        head = (self.run.packed_context(group, context).head(len(context) - 1)
+                if self.share else ())
+        in_trie = cache.peek(self.key, head) if self.share else 0
+        extra = self._pending_pages(head, in_trie)
+        cached = (in_trie + extra.size) * ps
+        if budget is not None and len(context) - cached > budget:
+            return None
+        shared, own = scheduler.unit_page_need(len(context), cached, rows, n_new, ps)
+        available = cache.pool.num_free  # enough for every row: evictable pages not counted
+        if shared + rows * own > available:
+            available = cache.available_pages - in_trie  # pinning may take evictable pages
+        for m in range(rows, 0, -1):
+            shared, own = scheduler.unit_page_need(len(context), cached, m, n_new, ps)
+            if shared + m * own <= available:
+                break
+        else:
+            return None
+        try:
+            matches, fresh = cache.acquire(self.key, [head] if self.share else [],
+                                           shared + m * own)
+        except CacheFullError:
+            return None
+        cache.pool.incref(extra)
+        matched = np.concatenate([matches[0].pages if matches else np.zeros(0, np.int32),
+                                  extra]).astype(np.int32)
+        return matched, fresh, m
+
+    def _pending_pages(self, head: PackedTokens, skip: int) -> np.ndarray:
+        """Pages of head's full pages beyond the first `skip` that earlier units of this round
+        are prefilling (not yet in the trie; their rows hold them)."""
+        node, extra = self.pending, []
+        for i, key in enumerate(self.cache.page_keys(head) if self.share else ()):
+            entry = node.get(key)
+            if entry is None:
+                break
+            page, node = entry
+            if i >= skip:
+                extra.append(page)
+        return np.asarray(extra, np.int32)
+
+    def _remember(self, prompt: PackedTokens, pages) -> None:
+        """pages int32 [p]: the full pages of `prompt` this round prefills."""
+        node = self.pending
+        for key, page in zip(self.cache.page_keys(prompt), pages.tolist()):
+            node = node.setdefault(key, (page, {}))[1]
