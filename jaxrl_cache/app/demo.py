@@ -120,9 +120,6 @@ class DemoOptions:
                 or self.max_policy_lag < 0:
             raise ValueError(f"--max-policy-lag must be an integer >= 0, got "
                              f"{self.max_policy_lag!r}")
-        if self.correction not in ("none", "decoupled"):
-            raise ValueError(f"--correction must be 'none' or 'decoupled', got "
-                             f"{self.correction!r}")
         _train_config(self, async_rollouts=self.async_rollouts)  # TrainConfig checks them
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError(f"--mini-batches ({self.mini_batches}) exceeds the samples of a "
