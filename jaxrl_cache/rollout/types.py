@@ -38,9 +38,8 @@ class SchedulerConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "chunk_steps", "max_prefill_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, as_count(getattr(self, name), name, minimum=1,
+                                                    maximum=2**31 - 1))
 
 
 @dataclasses.dataclass(frozen=True)
