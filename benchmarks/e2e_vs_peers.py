@@ -1,0 +1,180 @@
+"""GRPO end to end against the frameworks users would pick (issue 21): this library, TRL
+and tunix run the same workload (benchmarks/peers/common.py: SmolLM2-135M-Instruct fp32,
+examples/tasks/add.jsonl raw prompts, last-integer reward, 2 prompts x group 8, 24 new
+tokens, temperature 1, constant lr 2e-5, one AdamW update per step, no KL) on this CPU,
+each in its own subprocess and venv, alternated round by round.
+
+Variants (thread settings): jaxrl-mt (XLA default, multi-threaded Eigen), jaxrl-st
+(XLA_FLAGS single-threaded), trl-1t / trl-2t (torch.set_num_threads; trl-1t-nockpt:
+gradient checkpointing off, its own "system" so it never counts as TRL's best), tunix-mt. Per
+variant: s/step = median of steps 2..N (step 1 is warm-up / compile), generation / update
+seconds (medians over the same steps), peak RSS (the child's VmHWM), mean reward of the
+first and last steps, load average before and after. "best" per system: its faster
+variant.
+
+Benchmark-only installs (not project dependencies):
+    /work/torchvenv/bin/pip install trl datasets      # keep torch 2.13.0+cpu as it is
+    python3.11 -m venv /work/tunixvenv && /work/tunixvenv/bin/pip install google-tunix \
+        "jax==0.10.*" "jaxlib==0.10.*"
+
+    python benchmarks/e2e_vs_peers.py --steps 8 --rounds 1 \
+        --json benchmarks/results/e2e-vs-peers-cpu-2026-12-01.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEERS = ROOT / "benchmarks/peers"
+ST_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+VARIANTS = {  # name: (system, python, script, extra args, extra env)
+    "jaxrl-mt": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [], {}),
+    "jaxrl-st": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [],
+                 {"XLA_FLAGS": ST_FLAGS}),
+    "trl-1t": ("trl", pathlib.Path("/work/torchvenv/bin/python"), "trl_grpo.py",
+               ["--threads", "1"], {"OMP_NUM_THREADS": "1"}),
+    "trl-2t": ("trl", pathlib.Path("/work/torchvenv/bin/python"), "trl_grpo.py",
+               ["--threads", "2"], {"OMP_NUM_THREADS": "2"}),
+    "trl-1t-nockpt": ("trl-no-checkpointing", pathlib.Path("/work/torchvenv/bin/python"),
+                      "trl_grpo.py", ["--threads", "1", "--no-gradient-checkpointing"],
+                      {"OMP_NUM_THREADS": "1"}),  # the brief's question: is off faster?
+    "tunix-mt": ("tunix", pathlib.Path("/work/tunixvenv/bin/python"), "tunix_grpo.py", [], {}),
+}
+ORDER = ["jaxrl-mt", "trl-1t", "tunix-mt", "jaxrl-st", "trl-2t", "trl-1t-nockpt"]  # alternate
+
+
+def run_variant(name: str, steps: int, log_dir: pathlib.Path, timeout: float,
+                jaxrl_src: str | None = None) -> dict:
+    """Runs one child to completion; its STEP lines, exit status and load averages.
+    jaxrl_src: a directory holding a jaxrl_cache package (e.g. `git archive COMMIT
+    jaxrl_cache`) that the jaxrl variants import instead of the working tree."""
+    system, python, script, extra, env = VARIANTS[name]
+    if system == "jaxrl" and jaxrl_src:
+        env = {**env, "PYTHONPATH": jaxrl_src}
+    cmd = [str(python), str(PEERS / script), "--steps", str(steps), *extra]
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    log = log_dir / f"{name}-{int(time.time())}.log"
+    rc = None
+    with open(log, "w") as err:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                  stderr=err, text=True, timeout=timeout)
+            rc, out = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = "timeout"
+    rows = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("STEP ")]
+    tail = log.read_text().splitlines()[-15:] if rc != 0 else []
+    return dict(variant=name, system=system, command=" ".join(
+        [f"{k}={v!r}" for k, v in env.items()] + cmd), env=env, rc=rc,
+        wall_seconds=time.perf_counter() - t0, load_before=load_before,
+        load_after=os.getloadavg(), steps=rows, log=str(log.relative_to(ROOT)),
+        error_tail=tail)
+
+
+def summarise(run: dict) -> dict:
+    """s/step etc. of one run (steps 2..N; step 1 is warm-up)."""
+    rows = run["steps"]
+    timed = rows[1:]
+    if not timed:
+        return dict(variant=run["variant"], system=run["system"], ok=False, rc=run["rc"])
+
+    def med(key):
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    half = max(len(rows) // 4, 1)
+    return dict(variant=run["variant"], system=run["system"], ok=run["rc"] == 0,
+                rc=run["rc"], steps_timed=len(timed), s_per_step=med("seconds"),
+                warmup_seconds=rows[0]["seconds"], generation_seconds=med("generation_seconds"),
+                update_seconds=med("update_seconds"), audit_seconds=med("audit_seconds"),
+                peak_rss_mib=max(r["peak_rss_mib"] for r in rows),
+                reward_first=statistics.mean(r["reward"] for r in rows[:half]),
+                reward_last=statistics.mean(r["reward"] for r in rows[-half:]),
+                reward_steps=[round(r["reward"], 4) for r in rows],
+                load_before=run["load_before"], load_after=run["load_after"])
+
+
+def combine(runs: list[dict]) -> dict:
+    """Per variant (median s/step over its rounds) and per system (its best variant)."""
+    variants = {}
+    for run in runs:
+        variants.setdefault(run["variant"], []).append(summarise(run))
+    table = {}
+    for name, rounds in variants.items():
+        good = [r for r in rounds if r.get("s_per_step") is not None]
+        table[name] = dict(rounds=rounds, s_per_step=statistics.median(
+            r["s_per_step"] for r in good) if good else None)
+    best = {}
+    for name, entry in table.items():
+        system = VARIANTS[name][0]
+        if entry["s_per_step"] is not None and (
+                system not in best or entry["s_per_step"] < table[best[system]]["s_per_step"]):
+            best[system] = name
+    return dict(variants=table, best={s: dict(variant=v, s_per_step=table[v]["s_per_step"])
+                                      for s, v in best.items()})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default=",".join(ORDER), help="comma list, in run order")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
+    p.add_argument("--json", default=None)
+    p.add_argument("--jaxrl-src", default=None,
+                   help="import jaxrl_cache from this directory (a pinned commit's export) "
+                        "instead of the working tree, which others may be editing")
+    p.add_argument("--append", action="store_true",
+                   help="add these runs to the runs already in --json")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    out = pathlib.Path(args.json) if args.json else None
+    runs = json.loads(out.read_text())["runs"] if args.append and out and out.exists() else []
+    first_round = max((r["round"] for r in runs), default=-1) + 1
+    log_dir = ROOT / "runs/e2e_vs_peers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for rnd in range(args.rounds):
+        for name in names:
+            print(f"round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
+            run = run_variant(name, args.steps, log_dir, args.timeout, args.jaxrl_src)
+            run["round"] = first_round + rnd
+            runs.append(run)
+            s = summarise(run)
+            print(json.dumps({k: v for k, v in s.items() if k != "reward_steps"}),
+                  file=sys.stderr, flush=True)
+            if out:  # written after every run: a later failure keeps what was measured
+                result = dict(date="2026-12-01", machine="CPU, 2 cores, shared",
+                              platform=platform.platform(), cpus=os.cpu_count(),
+                              steps=args.steps, rounds=first_round + args.rounds,
+                              st_xla_flags=ST_FLAGS,
+                              workload=_workload(), **combine(runs), runs=runs)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(combine(runs)["best"], indent=1))
+
+
+def _workload() -> dict:
+    sys.path.insert(0, str(PEERS))
+    import common
+    return dict(model=common.MODEL, task=str(common.TASK.relative_to(ROOT)),
+                prompts_per_step=common.PROMPTS_PER_STEP, group=common.GROUP,
+                max_new_tokens=common.MAX_NEW_TOKENS, temperature=common.TEMPERATURE,
+                lr=common.LR, prompts="raw text, no chat template; step s: rows 2s, 2s+1",
+                reward="last -?\\d+ of the completion == answer")
+
+
+if __name__ == "__main__":
+    main()
