@@ -8,8 +8,8 @@ are converted inside the timed flows (sglang-jax: `list(...)` per call; ours: ea
 packed once and each sequence extending it by its output, as the engine keys a row).
 
 Flows (`run_ours`, `run_ours_units`, `run_theirs`):
-- per sample (ours): peek (pages to plan), acquire with a Lease (the matched path is one
-  pin, plus fresh pages), insert of prompt + output releasing the lease;
+- per sample (ours): peek (pages to plan), acquire (the matched pages plus fresh ones),
+  insert of prompt + output releasing them;
 - engine units (ours): as RolloutEngine admits a GRPO group: one peek + acquire for the
   group's rows, prompt pages shared by the rows, the prompt inserted after its prefill,
   then per row an insert releasing its pages (still 2 ops counted per sample);
@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 from benchmarks.timing import best_interleaved
-from jaxrl_cache.cache.radix import Lease, PackedTokens, RadixCache
+from jaxrl_cache.cache.radix import PackedTokens, RadixCache
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 
 PAGE = 16
@@ -84,16 +84,16 @@ def packed(trace):
 
 
 def run_ours(trace, engine_lock=False):
-    """Per sample: peek, acquire with a lease, insert releasing it (see module); one rollout
-    call per version."""
+    """Per sample: peek, acquire, insert releasing the pages (see module); one rollout call
+    per version."""
     cache = RadixCache(8192, PAGE)
 
     def call(version):
         for prompt, seq in packed(trace):
-            lease = Lease()
             n_fresh = seq.num_tokens // PAGE - cache.peek(version, prompt)
-            (match,), fresh = cache.acquire(version, [prompt], n_fresh, lease=lease)
-            cache.insert(version, seq, np.concatenate([match.pages, fresh]), release=lease)
+            (match,), fresh = cache.acquire(version, [prompt], n_fresh)
+            pages = np.concatenate([match.pages, fresh])
+            cache.insert(version, seq, pages, release=pages)
 
     for version in VERSIONS:
         rollout_call(call, version, engine_lock=engine_lock)

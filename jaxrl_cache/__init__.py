@@ -4,7 +4,7 @@ Every sample carries the policy version that produced it; prefix KV is cached pe
 and never reused across versions. README.md describes the protocol and the invariants;
 docs/DESIGN.md the layout of the code.
 """
-from jaxrl_cache.cache import CacheStats, Lease, PackedTokens, RadixCache
+from jaxrl_cache.cache import CacheStats, PackedTokens, RadixCache
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError, StalenessError, VersionError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (DecoderLM, ModelConfig, forward, from_pretrained, init_params,
@@ -21,7 +21,7 @@ from jaxrl_cache.rollout import (CacheConfig, Produced, RolloutBatch, RolloutEng
 
 __all__ = [
     "AuditReport", "audit_attribution", "CheckpointError", "latest_checkpoint_version",
-    "restore_checkpoint", "save_checkpoint", "deferred_signals", "Lease", "CacheConfig",
+    "restore_checkpoint", "save_checkpoint", "deferred_signals", "CacheConfig",
     "RolloutBatch", "RolloutEngine", "Sample", "SchedulerConfig", "WeightAck",
     "CacheFullError", "PinnedPagesError", "StalenessError", "VersionError", "DecoderLM",
     "ModelConfig", "forward", "from_pretrained", "init_params", "load_tokenizer",

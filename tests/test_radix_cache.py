@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
-from jaxrl_cache.cache.radix import Lease, PackedTokens, RadixCache
+from jaxrl_cache.cache.page_pool import PagePool
+from jaxrl_cache.cache.radix import PackedTokens, RadixCache
 
 PS = 4
 
@@ -114,6 +115,22 @@ class TestUnits:
         assert cache.pool.num_free == 7
         cache.check_invariants()
 
+    def test_pool_take_decref_return_freed_pages_and_refuse_unheld_ones(self):
+        pool = PagePool(6)
+        pages = pool.take(3)
+        assert pages.tolist() == [1, 2, 3] and pool.num_free == 2
+        pool.incref(pages[:1])
+        with pytest.raises(ValueError, match="not held"):
+            pool.decref([1, 2, 2, 2])  # page 2 has one reference: nothing changes
+        assert pool.refcount.tolist() == [0, 2, 1, 1, 0, 0] and pool.num_free == 2
+        assert pool.decref([1, 2, 1]) == [2, 1] and pool.num_free == 4
+        with pytest.raises(CacheFullError):
+            pool.take(5)
+        assert sorted(pool.take(4).tolist()) == [1, 2, 4, 5]
+        with pytest.raises(ValueError):  # a read-only view for callers
+            pool.refcount[1] = 0
+        pool.check_invariants()
+
     def test_pool_exhaustion_raises_and_changes_nothing(self):
         cache = RadixCache(5, PS)
         m, held = run_request(cache, 0, list(range(8)), extra_pages=1)  # 3 pinned
@@ -173,8 +190,8 @@ PROMPTS = [SYSTEM + [1] * 5, SYSTEM + [1] * 4 + [2] * 4, SYSTEM + [2] * 9, [3] *
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random request lifecycles across versions, holding pages as arrays or as a Lease (its
-    matched path one pin); accounting checked after every step."""
+    """Random request lifecycles across versions; accounting checked after every step, every
+    eviction checked against an oracle built from page_entries and the refcounts alone."""
     requests = Bundle("requests")
 
     def __init__(self):
@@ -186,46 +203,59 @@ class CacheMachine(RuleBasedStateMachine):
         self.min_version = 0
 
     @rule(target=requests, version=st.integers(0, 3), prompt=st.sampled_from(PROMPTS),
-          extra=st.integers(0, 3), leased=st.booleans())
-    def start(self, version, prompt, extra, leased):
+          extra=st.integers(0, 3))
+    def start(self, version, prompt, extra):
         version = max(version, self.min_version)
-        lease = Lease() if leased else None
-        m = self.cache.match(version, prompt, lease=lease)
+        m = self.cache.match(version, prompt)
         for p in m.pages:
             assert self.written_by[int(p)] == version, "match crossed versions"
         need = len(prompt) // PS - m.pages.size + extra
-        before = self.cache.page_refcounts()
+        before = self.cache.pool.refcount.copy()
         try:
-            own = self.cache.alloc(need, lease=lease)
+            own = self.cache.alloc(need)
         except CacheFullError:
-            np.testing.assert_array_equal(self.cache.page_refcounts(), before)
-            self.cache.release(lease if leased else m.pages)
+            np.testing.assert_array_equal(self.cache.pool.refcount, before)
+            self.cache.release(m.pages)
             return None
         for p in own:
             self.written_by[int(p)] = version  # this request writes their KV
         rid = self.next_id
         self.next_id += 1
-        self.live[rid] = (version, prompt, np.concatenate([m.pages, own]), lease)
+        self.live[rid] = (version, prompt, np.concatenate([m.pages, own]))
         return rid
 
     @rule(rid=requests)
     def insert(self, rid):
         if rid in self.live:
-            version, prompt, held, _ = self.live[rid]
+            version, prompt, held = self.live[rid]
             self.cache.insert(version, prompt, held[:len(prompt) // PS])
 
     @rule(rid=requests)
     def finish(self, rid):
         if rid in self.live:
-            _, _, held, lease = self.live.pop(rid)
-            self.cache.release(held if lease is None else lease)
-            if lease is not None:
-                assert len(lease) == 0
+            self.cache.release(self.live.pop(rid)[2])
 
     @rule(n=st.integers(0, 6))
     def evict(self, n):
-        before = self.cache.num_evictable  # checked against a tree walk by accounting()
-        assert self.cache.evict(n) == min(n, before)
+        """Oracle: repeatedly drop the cached leaf page (no page below it, no holder) of the
+        oldest version, least recently stamped first (a node's pages share a stamp: deepest
+        first)."""
+        entries = {(v, page): (parent, stamp) for v, page, parent, _, stamp
+                   in self.cache.page_entries()}
+        ref, victims = self.cache.pool.refcount, set()
+        for _ in range(n):
+            parents = {(v, parent) for (v, _), (parent, _) in entries.items()}
+            leaves = [(v, stamp, -depth(entries, v, page), page)
+                      for (v, page), (_, stamp) in entries.items()
+                      if (v, page) not in parents and ref[page] == 1]
+            if not leaves:
+                break
+            v, _, _, page = min(leaves)
+            victims.add(page)
+            del entries[(v, page)]
+        before = {page for _, page, _, _, _ in self.cache.page_entries()}
+        assert self.cache.evict(n) == len(victims)
+        assert before - {page for _, page, _, _, _ in self.cache.page_entries()} == victims
 
     @rule(version=st.integers(0, 4))
     def invalidate(self, version):
@@ -233,15 +263,15 @@ class CacheMachine(RuleBasedStateMachine):
                           if v < version)
         pinned = any(v < version and (held.size and
                                       self.cache._in_trie[held].any())
-                     for v, _, held, _ in self.live.values())
-        before = (self.cache.page_refcounts(), self.cache.versions())
+                     for v, _, held in self.live.values())
+        before = (self.cache.pool.refcount.copy(), self.cache.versions())
         try:
             assert self.cache.invalidate_before(version) == stale_pages
             assert not pinned, "invalidation succeeded while stale pages were pinned"
             self.min_version = max(self.min_version, version)
         except PinnedPagesError:
             assert pinned
-            np.testing.assert_array_equal(self.cache.page_refcounts(), before[0])
+            np.testing.assert_array_equal(self.cache.pool.refcount, before[0])
             assert self.cache.versions() == before[1]
 
     @rule(version=st.integers(0, 4))
@@ -249,20 +279,22 @@ class CacheMachine(RuleBasedStateMachine):
         """kv_policy "keep": stale pages leave the trie, live requests keep theirs."""
         self.cache.invalidate_before(version, held=True)
         self.min_version = max(self.min_version, version)
-        for _, _, held, lease in self.live.values():
-            assert (self.cache.page_refcounts()[held] >= 1).all()
-            if lease is not None:
-                assert sorted(lease.pages.tolist()) == sorted(held.tolist())
+        for _, _, held in self.live.values():
+            assert (self.cache.pool.refcount[held] >= 1).all()
 
     @invariant()
     def accounting(self):
         self.cache.check_invariants()
-        held = sum(h.size for _, _, h, _ in self.live.values())
-        ref = self.cache.page_refcounts()
-        assert ref.sum() == held + self.cache._in_trie.sum()
-        raw = self.cache.pool.refcount  # pins are counted once, in page_refcounts
-        assert raw.sum() + sum(len(self.cache._path_to(last)) * k
-                               for last, k in self.cache._pins.items()) == ref.sum()
+        held = np.bincount(np.concatenate([h for _, _, h in self.live.values()] + [[]])
+                           .astype(int), minlength=self.cache.pool.num_pages)
+        trie = np.zeros_like(held)  # no page leaked: holders + trie are every reference
+        trie[[page for _, page, _, _, _ in self.cache.page_entries()]] = 1
+        np.testing.assert_array_equal(self.cache.pool.refcount, held + trie)
+
+
+def depth(entries, version, page):
+    """Pages from the root down to `page` in an entries map (version, page) -> (parent, _)."""
+    return 0 if not page else 1 + depth(entries, version, entries[(version, page)][0])
 
 
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -274,13 +306,13 @@ def test_acquire_cache_full_counts_no_lookup_and_keeps_lru_stamps():
     cache = RadixCache(6, PS)  # 5 usable pages
     _, held = run_request(cache, 0, list(range(8)))  # 2 cached pages, then released
     cache.release(held)
-    stamps = {p: n.last_access for p, n in cache._nodes[0].items()}
+    stamps = cache.page_entries()
     before = cache.stats()
     # the matched path (2 pages) is pinned, so 3 free pages cannot give 4
     with pytest.raises(CacheFullError, match="need 4 KV pages but only 3"):
         cache.acquire(0, [list(range(8))], 4)
     assert cache.stats() == before
-    assert {p: n.last_access for p, n in cache._nodes[0].items()} == stamps
+    assert cache.page_entries() == stamps
     matches, fresh = cache.acquire(0, [list(range(8)), [50] * 4], 3)
     assert [m.num_tokens for m in matches] == [8, 0] and fresh.size == 3
     assert cache.stats().lookups == before.lookups + 2
@@ -298,7 +330,7 @@ def test_insert_checks_every_page_before_linking_any():
     with pytest.raises(ValueError, match="listed twice"):
         cache.insert(0, [9] * 8, np.array([mine[0], mine[0]]))
     free = np.flatnonzero(cache.pool.refcount[1:] == 0)[:1] + 1
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(ValueError, match="held by no one"):
         cache.insert(0, [9] * 4, free)
     np.testing.assert_array_equal(cache.pool.refcount, before[0])
     assert cache.stats() == before[1] and cache.match(0, [9] * 4).num_tokens == 0
@@ -338,10 +370,10 @@ def test_pages_inserted_past_a_duplicate_prefix_block_its_eviction():
     cache.check_invariants()
 
 
-def test_reused_walks_match_a_fresh_walk():
-    """peek/acquire/insert reuse, continue or cut the last walk while no trie changed (same
-    data, an extension, a prefix; lists, tuples or PackedTokens): every answer equals that of an oracle
-    built from page_entries (version, parent page, page key) alone."""
+def test_walks_match_an_oracle():
+    """peek/acquire/insert of the same data, a prefix and an extension (lists, tuples or
+    PackedTokens), across splits and evictions: every answer equals that of an oracle built
+    from page_entries (version, parent page, page key) alone."""
     rng = np.random.default_rng(0)
     cache = RadixCache(64, PS)
     base = [int(t) for t in rng.integers(0, 3, 6 * PS)]
@@ -401,58 +433,21 @@ def test_packed_tokens_refuse_what_token_lists_refuse():
             PackedTokens.of([1, 2]).extend(bad)
 
 
-def test_lease_pins_a_matched_path_once_until_eviction_needs_page_counts():
-    """A lease holds its matched path as one pin: the pool's refcounts do not move, every
-    accounting view (page_refcounts, stats, eviction, invalidation) counts it; an eviction
-    turns pins into page references and the leases release those."""
-    cache = RadixCache(16, PS)
-    prompt = list(range(3 * PS))
-    run_request(cache, 0, prompt)
-    cache.release(cache.match(0, prompt).pages)  # run_request's match reference
-    cache.release(np.flatnonzero(cache.pool.refcount == 2).astype(np.int32))
-    assert cache.stats().cached_pages == 3
-    first, second = Lease(), Lease()
-    m = cache.match(0, prompt, lease=first)
-    cache.match(0, prompt[:2 * PS], lease=second)  # a second pin, on a prefix
-    assert cache.pool.refcount[m.pages].tolist() == [1, 1, 1]
-    assert cache.page_refcounts()[m.pages].tolist() == [3, 3, 2]
-    assert sorted(first.pages.tolist()) == sorted(m.pages.tolist()) and len(second) == 2
-    assert cache.stats().in_use_pages == 3 and cache.num_evictable == 0
-    with pytest.raises(PinnedPagesError):
-        cache.invalidate_before(1)
-    assert cache.evict(16) == 0  # flushes: pins become page references
-    assert cache.pool.refcount[m.pages].tolist() == [3, 3, 2] and not cache._pins
-    cache.release(first)
-    cache.check_invariants()
-    assert cache.page_refcounts()[m.pages].tolist() == [2, 2, 1]
-    cache.match(0, prompt, lease=first)  # pinned again, after the flush
-    assert cache.invalidate_before(1, held=True) == 3  # holders keep the pages
-    assert cache.page_refcounts()[m.pages].tolist() == [2, 2, 1]
-    with pytest.raises(ValueError, match="another cache"):
-        RadixCache(16, PS).release(first)
-    cache.release(first)
-    cache.release(second)
-    assert cache.pool.num_free == 15 and len(first) == len(second) == 0
-    cache.check_invariants()
-
-
 def test_insert_releasing_equals_insert_then_release_and_changes_nothing_on_error():
     def state(cache):
-        return (cache.page_entries(), cache.page_refcounts().tolist(),
-                sorted(cache.pool._free[:cache.pool.num_free].tolist()))
+        return cache.page_entries(), cache.pool.refcount.tolist(), cache.pool.num_free
 
     caches = RadixCache(32, PS), RadixCache(32, PS)
     for i, tokens in enumerate([list(range(10)), list(range(8)) + [5] * 6, [7] * 9]):
         for merged, cache in enumerate(caches):
-            lease = Lease()
-            m = cache.match(0, tokens[:4], lease=lease)
-            fresh = cache.alloc(len(tokens) // PS - m.pages.size + 1, lease=lease)
+            m = cache.match(0, tokens[:4])
+            fresh = cache.alloc(len(tokens) // PS - m.pages.size + 1)
             pages = np.concatenate([m.pages, fresh])
             if merged:
-                cache.insert(0, tokens, pages, release=lease)
+                cache.insert(0, tokens, pages, release=pages)
             else:
                 cache.insert(0, tokens, pages)
-                cache.release(lease)
+                cache.release(pages)
             cache.check_invariants()
         assert state(caches[0]) == state(caches[1])
     cache = caches[1]

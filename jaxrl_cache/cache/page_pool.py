@@ -1,4 +1,4 @@
-"""Reference-counted physical KV pages with vectorised bulk alloc/free.
+"""Reference-counted physical KV pages: the public bulk operations the radix trie builds on.
 
 Pages are 1..num_pages-1; page 0 is the null page that pads page tables and is never handed
 out. A page is free iff its reference count is 0. Every method checks its arguments before it
@@ -38,6 +38,8 @@ def as_page_list(pages, num_pages: int, name: str = "pages") -> list[int]:
     cost less as Python ints than as numpy calls)."""
     if type(pages) is np.ndarray and pages.ndim == 1 and pages.dtype.kind == "i":
         ids = pages.tolist()  # the common case (int32 page arrays), checked inline
+    elif type(pages) is list and all(type(p) is int for p in pages):
+        ids = pages  # Python ints (the trie's own lists): only the range is left to check
     else:
         ids = _integer_array(pages, name).tolist()
     if ids and (min(ids) <= 0 or max(ids) >= num_pages):
@@ -46,17 +48,19 @@ def as_page_list(pages, num_pages: int, name: str = "pages") -> list[int]:
 
 
 class PagePool:
+    """Refcounts of pages 1..num_pages-1 and a stack of the free ones. Always: a page is on the
+    free stack (once) iff its refcount is 0, and num_free is the stack's height."""
+
     def __init__(self, num_pages: int):
         num_pages = as_count(num_pages, "num_pages", minimum=2, maximum=2**31 - 1)  # int32 ids
         self.num_pages = num_pages
-        # [P] refcounts and [P - 1] the free stack (top at the end), each a Python array and
-        # a numpy view of the same memory: the per-request path (a few dozen pages) loops
-        # over the Python arrays, whose items Python code reads and writes far faster than
-        # numpy scalars or numpy calls on tiny arrays; bulk paths use the numpy views
+        # [P] refcounts and [P - 1] the free stack (top at the end) as Python arrays: the
+        # per-request path (a few dozen pages) reads and writes their items far faster than
+        # numpy scalars; `refcount` is a read-only numpy view of the counts for callers
         self._ref = array.array("i", bytes(4 * num_pages))
-        self.refcount = np.frombuffer(self._ref, np.int32)
+        self.refcount = np.frombuffer(self._ref, np.int32)  # int32 [P], read-only
+        self.refcount.flags.writeable = False
         self._stack = array.array("i", range(num_pages - 1, 0, -1))
-        self._free = np.frombuffer(self._stack, np.int32)
         self._num_free = num_pages - 1
 
     @property
@@ -64,88 +68,74 @@ class PagePool:
         return self._num_free
 
     def take(self, n: int) -> np.ndarray:
-        """Hands out n free pages with refcount 1."""
+        """int32 [n] free pages, lowest id first, each now at refcount 1 (held by the
+        caller). Raises CacheFullError, changing nothing, if fewer than n are free."""
         n = as_count(n, "n")
-        if n > self._num_free:
-            raise CacheFullError(f"take({n}) with only {self._num_free} free pages")
+        top = self._num_free
+        if n > top:
+            raise CacheFullError(f"take({n}) with only {top} free pages")
         with deferred_signals():
-            return np.array(self._take(n), np.int32)
+            pages = self._stack[top - n:top]
+            pages.reverse()
+            ref = self._ref
+            for p in pages:
+                ref[p] = 1
+            self._num_free = top - n
+        return np.frombuffer(pages, np.int32)
 
     def incref(self, pages: np.ndarray) -> None:
-        """Adds one reference per entry; every page must already be held (refcount >= 1)."""
+        """pages int32 [n]: one more reference per entry (repeats count twice). Every page
+        must already be held (refcount >= 1): a free page is never revived this way. Raises
+        ValueError, changing nothing, otherwise."""
         pages = as_page_list(pages, self.num_pages)
-        if not self._held(pages):
-            raise ValueError(f"incref of free pages: {[p for p in pages if self._ref[p] < 1]}")
-        with deferred_signals():
-            self._incref_list(pages)
-
-    def decref(self, pages: np.ndarray, *, distinct: bool = False) -> None:
-        """Drops one reference per entry; pages reaching 0 become free. Repeats are allowed
-        unless the caller promises `distinct` (a faster path)."""
-        pages = as_page_ids(pages, self.num_pages)
-        pages, counts = (pages, 1) if distinct else np.unique(pages, return_counts=True)
-        if (self.refcount[pages] < counts).any():
-            raise ValueError(f"released pages that were not held: {pages}")
-        with deferred_signals():
-            self._decref(pages, counts)
-
-    # Unchecked steps for callers that have checked and hold a deferred_signals() section.
-    def _take(self, n: int) -> array.array:
-        """n free pages, lowest first, each set to refcount 1."""
-        top, ref = self._num_free, self._ref
-        pages = self._stack[top - n:top]
-        pages.reverse()
-        for p in pages:
-            ref[p] = 1
-        self._num_free = top - n
-        return pages
-
-    def _held(self, pages) -> bool:
-        """Whether every entry has refcount >= 1."""
         ref = self._ref
         for p in pages:
             if ref[p] < 1:
-                return False
-        return True
+                raise ValueError(f"incref of free pages (held by no one): "
+                                 f"{[p for p in pages if ref[p] < 1]}")
+        with deferred_signals():
+            for p in pages:
+                ref[p] += 1
 
-    def _incref_list(self, pages) -> None:
-        """Adds one reference per entry (repeats allowed)."""
-        ref = self._ref
-        for p in pages:
-            ref[p] += 1
-
-    def _decref_parts(self, parts) -> bool:
-        """Drops one reference per entry of each sequence in `parts` (repeats allowed); pages
-        reaching 0 become free. If some entry was not held, undoes every drop and returns
-        False (nothing changed): one pass, with no separate check, for the release path."""
+    def decref(self, pages: np.ndarray, name: str = "pages") -> list[int]:
+        """pages int32 [n]: one reference fewer per entry (repeats allowed); returns the pages
+        that reached 0, now free. A page never drops below 0: if some entry was not held,
+        raises ValueError with nothing changed."""
+        pages = as_page_list(pages, self.num_pages, name)
         ref, freed = self._ref, []
-        for i, part in enumerate(parts):
-            for j, p in enumerate(part):
+        with deferred_signals():  # one pass, undone on the first entry that was not held
+            for i, p in enumerate(pages):
                 left = ref[p] - 1
-                if left <= 0:
-                    if left < 0:
-                        for done in parts[:i] + (part[:j],):
-                            self._incref_list(done)
-                        return False
-                    freed.append(p)
+                if left < 0:
+                    for q in pages[:i]:
+                        ref[q] += 1
+                    raise ValueError(f"released pages that were not held: {pages}")
                 ref[p] = left
-        if freed:
-            self._stack[self._num_free:self._num_free + len(freed)] = array.array("i", freed)
-            self._num_free += len(freed)
-        return True
-
-    def _decref(self, pages: np.ndarray, counts) -> None:
-        """pages int32 [n] distinct, each losing `counts` (int or int [n]) references."""
-        self.refcount[pages] -= counts
-        freed = pages[self.refcount[pages] == 0]
-        self._free[self._num_free:self._num_free + freed.size] = freed
-        self._num_free += freed.size
+                if not left:
+                    freed.append(p)
+            if freed:
+                top = self._num_free
+                self._stack[top:top + len(freed)] = array.array("i", freed)
+                self._num_free = top + len(freed)
+        return freed
 
     def reset(self, held: np.ndarray) -> None:
-        """Sets refcount 1 on held pages (bool [P]) and frees every other page (one commit)."""
+        """held bool [P]: sets refcount 1 on held pages and frees every other page (one
+        commit); page 0 is never held."""
         refcount = held.astype(np.int32)
         refcount[0] = 0
-        free = np.zeros_like(self._free)
         idle = np.flatnonzero(refcount[1:] == 0)[::-1].astype(np.int32) + 1
-        free[:idle.size] = idle
-        self.refcount[:], self._free[:], self._num_free = refcount, free, int(idle.size)
+        with deferred_signals():
+            self._ref[:] = array.array("i", refcount.tobytes())
+            self._stack[:idle.size] = array.array("i", idle.tobytes())
+            self._num_free = int(idle.size)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the free stack holds exactly the pages at refcount 0,
+        once each, and page 0 is never handed out."""
+        ref, free = self.refcount, np.frombuffer(self._stack, np.int32)[:self._num_free]
+        assert (ref >= 0).all(), "negative refcount"
+        assert ref[0] == 0, "null page was handed out"
+        assert len(set(free.tolist())) == free.size, "page on the free list twice"
+        assert (free > 0).all() and (ref[free] == 0).all(), "free page in use"
+        assert self._num_free == int((ref[1:] == 0).sum()), "page leaked"

@@ -1,121 +1,47 @@
 """Version-keyed radix prefix cache over a reference-counted page pool.
 
-Each policy version owns a separate trie whose edges are page-aligned token chunks and whose
-nodes each own one physical page of KV computed by that version's params. A lookup at
-version v walks only v's trie, so it can never return a page written under another version.
+Each policy version owns a separate path-compressed trie: an edge is a run of page-aligned
+token chunks, each chunk one physical page of KV computed by that version's params. A lookup
+at version v walks only v's trie, so it never returns a page written under another version.
 
-Ownership: the trie holds one reference to each of its pages, every request one reference to
-each page it uses (a request holding a Lease holds its matched path as one pin instead;
-`page_refcounts()` counts pins as references). A trie page with one reference is "cached"
-(evictable); a page with none is free; every other page is "in use". Always: free + cached +
-in use == num_pages - 1.
-A request pins the whole path it matched. `insert` may hang a request's pages below cached
-nodes the request does not hold (it continues past a duplicate prefix); such an ancestor
-cannot be evicted while a page below it is pinned, so `num_evictable` (what `alloc` may
-evict, leaf-first) counts only cached pages with no pinned page below them.
+Ownership: the trie holds one reference to each of its pages, a request one reference to each
+page it uses (`acquire` takes them, `release` drops them). A trie page with one reference is
+"cached", a page with none free, every other page "in use": free + cached + in use ==
+num_pages - 1. `insert` may hang a request's pages below cached pages the request does not
+hold (it continues past a duplicate prefix), so a cached page is evictable only if no page
+below it is in use (`num_evictable`). Eviction takes the oldest version first, least recently
+used leaves first within it.
 
-Interrupt safety: every method checks all of its arguments and plans its change first (any
-error is raised with nothing changed), then applies it inside `deferred_signals()`, so a
-KeyboardInterrupt or SIGTERM handler never sees half an update. A call that hands references
-to the caller (`match`, `acquire`, `alloc`) records them in the caller's `Lease` inside that
-same step, so no interrupt can fall between taking a reference and recording who holds it;
-`release(lease)` gives them all back at once.
+Interrupt safety: every method checks its arguments first (an error changes nothing), then
+applies its change inside `deferred_signals()`, so a KeyboardInterrupt never sees half an
+update. An interrupt after such a step can still lose the references it handed out; the
+engine runs each call in one deferred section and `reconcile`s a quiescent cache after it.
 """
 from __future__ import annotations
 
 import array
 import dataclasses
-import functools
 import heapq
 import itertools
-import struct
 from typing import Collection, NamedTuple, Sequence
 
 import numpy as np
 
 from jaxrl_cache.cache.page_pool import PagePool, as_page_ids, as_page_list
+from jaxrl_cache.cache.tokens import PackedTokens, pack_tokens, split_pages
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 
-@functools.lru_cache(maxsize=4096)
-def _uint32s(n: int) -> struct.Struct:
-    """Packs n little-endian uint32s."""
-    return struct.Struct(f"<{n}I")
-
-
-@functools.lru_cache(maxsize=4096)
-def _pages_format(n: int, size: int) -> struct.Struct:
-    """Splits the first n * size bytes into n bytes objects of `size` in one C call."""
-    return struct.Struct(f"{size}s" * n)
-
-
-def _pack(tokens: Sequence[int], name: str) -> bytes:
-    """int32 little-endian bytes of token ids, each an integer in [0, 2**31): one C-level
-    pass for a list or tuple of ints, numpy for the rest (which also names what is wrong; a
-    sequence of bools is refused, as numpy types it bool)."""
-    if type(tokens) in (list, tuple) and tokens and type(tokens[0]) is int:
-        try:  # "<I" refuses non-integers, negatives and >= 2**32; the top bytes the rest
-            data = _uint32s(len(tokens)).pack(*tokens)
-        except Exception:  # the numpy path below names what is wrong
-            data = b"\xff" * 4
-        if data[3::4].isascii():
-            return data
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
-        raise TypeError(f"{name} must be a sequence of integer token ids, got "
-                        f"{type(tokens).__name__} {tokens!r:.80}")
-    arr = np.asarray(tokens)
-    if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must be a 1-D sequence of integer token ids, got "
-                        f"{tokens!r:.80}")
-    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
-        raise ValueError(f"{name}: token ids must be in [0, 2**31), got {tokens!r:.80}")
-    return arr.astype("<i4").tobytes()
-
-
 def _readonly(arr: np.ndarray) -> np.ndarray:
-    """arr, made read-only: page ids handed out are also what a Lease records (and a
-    matched chain is shared by every match of it)."""
+    """arr, made read-only (the empty match is shared)."""
     arr.flags.writeable = False
     return arr
 
 
 _NO_PAGES = _readonly(np.zeros(0, np.int32))
-
-
-class PackedTokens(bytes):
-    """Token ids as the int32 bytes the trie keys its pages by, checked once. Every cache call
-    that takes tokens takes one of these as it is, so a caller that packs a prompt once
-    (`PackedTokens.of`) and extends it by each sample's output (`extend` converts only the
-    new tokens) does no per-token Python work on the prompt again. Build it only with `of`
-    and `extend`."""
-    __slots__ = ()
-
-    @classmethod
-    def of(cls, tokens: Sequence[int], name: str = "tokens") -> PackedTokens:
-        """tokens: ints in [0, 2**31) (list, tuple or 1-D integer array)."""
-        return tokens if type(tokens) is cls else cls(_pack(tokens, name))
-
-    def extend(self, tokens: Sequence[int], name: str = "tokens") -> PackedTokens:
-        """These tokens followed by `tokens`."""
-        data = _pack(tokens, name)
-        return PackedTokens(self + data) if data else self
-
-    def head(self, n: int) -> PackedTokens:
-        """The first n tokens."""
-        return PackedTokens(self[:4 * as_count(n, "n")])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self) >> 2
-
-    def tolist(self) -> list[int]:
-        return array.array("i", self).tolist()
-
-    def __repr__(self) -> str:
-        return f"PackedTokens({self.tolist()!r:.80})"
 
 
 class _Node:
@@ -134,45 +60,20 @@ class _Node:
 
 
 class Match(NamedTuple):
-    pages: np.ndarray  # int32 [n] pinned pages of the matched prefix, in order (read-only)
+    pages: np.ndarray  # int32 [n] held pages of the matched prefix, in order (read-only)
     num_tokens: int  # n * page_size
 
 
 _NO_MATCH = Match(_NO_PAGES, 0)
 
 
-class Lease:
-    """The page references one caller holds. Cache calls given a lease add what they hand out
-    to it in the same atomic step; `RadixCache.release(lease)` returns them all and empties it
-    (releasing an empty lease does nothing, so a retried cleanup is harmless). A matched path
-    is held as one pin on its last page (see `RadixCache`), not one reference per page."""
-    __slots__ = ("_parts", "_pins")
-
-    def __init__(self):
-        # the tuples are replaced, never mutated: sequences of page ids, and
-        # (cache, last page of a pinned path, the cache's pin epoch when pinned)
-        self._parts: tuple = ()
-        self._pins: tuple = ()
-
-    def _expanded(self) -> list:
-        return [*self._parts, *(cache._path_to(last) for cache, last, _ in self._pins)]
-
-    @property
-    def pages(self) -> np.ndarray:
-        """int32 [n] every reference held (a page appears once per reference)."""
-        return np.fromiter(itertools.chain.from_iterable(self._expanded()), np.int32)
-
-    def __len__(self) -> int:
-        return sum(map(len, self._expanded()))
-
-
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
     total_pages: int  # usable pages (excludes the null page)
     free_pages: int
-    cached_pages: int  # in the trie, referenced by no request (evictable)
+    cached_pages: int  # in the trie, referenced by no request
     in_use_pages: int  # referenced by at least one request
-    cached_pages_by_version: dict  # version -> pages in its trie (pinned or not)
+    cached_pages_by_version: dict  # version -> pages in its trie (held or not)
     lookups: int
     lookup_tokens: int
     hit_tokens: int
@@ -195,8 +96,8 @@ class RadixCache:
         self.page_size = as_count(page_size, "page_size", minimum=1)
         self._page_bytes = 4 * self.page_size
         self.pool = PagePool(num_pages)
-        # [P] bool and [P] int32 (trie parent page, 0 under a root), each also as a Python
-        # buffer over the same memory for the per-request path (see PagePool._ref)
+        # bool [P] in a trie, int32 [P] trie parent page (0 under a root): Python buffers
+        # for the per-request path, numpy views of the same memory for the bulk paths
         self._trie = bytearray(self.pool.num_pages)
         self._in_trie = np.frombuffer(self._trie, bool)
         self._parents = array.array("i", bytes(4 * self.pool.num_pages))
@@ -204,17 +105,8 @@ class RadixCache:
         self._roots: dict[int, _Node] = {}
         self._nodes: dict[int, dict[int, _Node]] = {}  # version -> page -> node holding it
         self._clock = itertools.count(1)
-        self._epoch = 0  # bumped by every change of any trie's structure
-        # the last walk: (data, version, epoch, nodes, pages matched, byte where the last
-        # node's key begins)
-        self._last_walk: tuple = (b"", 0, -1, [], 0, 0)
         self._counters = dict(lookups=0, lookup_tokens=0, hit_tokens=0, inserted_pages=0,
                               evicted_pages=0, invalidated_pages=0, invalidations=0)
-        # lease pins not yet in the pool's refcounts: last page of a path -> count; each
-        # stands for one reference to every page from the root down to that page
-        self._pins: dict[int, int] = {}
-        self._pin_epoch = 0  # bumped by every flush of the pins into the refcounts
-        self._matches: dict[int, Match] = {}  # see _match_of
 
     # ---------------------------------------------------------------- allocation
     @property
@@ -222,188 +114,103 @@ class RadixCache:
         """Pages `alloc` can hand out now: free + evictable cached."""
         return self.pool.num_free + self.num_evictable
 
-    def peek(self, version: int, tokens: Sequence[int] | PackedTokens) -> int:
-        """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
-        (no pin, no lookup counted, no LRU stamp)."""
-        if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
-            version = as_version(version)
-        return self._walk(version, self._token_bytes(tokens)[0])[1]
-
     @property
     def num_evictable(self) -> int:
         """Cached pages eviction can free now."""
         return int(self._evictable().sum())
 
     def _evictable(self) -> np.ndarray:
-        """bool [P]: cached pages (trie only) with no pinned page below them. A pinned page
-        sits under a cached one only where `insert` continued past a duplicate prefix."""
-        refcount = self.page_refcounts()
+        """bool [P]: cached pages with no page in use below them (one sits below a cached
+        page only where `insert` continued past a duplicate prefix)."""
+        refcount = self.pool.refcount
         cached = self._in_trie & (refcount == 1)
         up = self._parent[self._in_trie & (refcount > 1)]
         up = up[cached[up]]
-        while up.size:  # climb through cached ancestors; a pinned one has its own entry
+        while up.size:  # climb through cached ancestors; one in use has its own entry
             cached[up] = False
             up = self._parent[up]
             up = up[cached[up]]
         return cached
 
-    def alloc(self, n: int, *, lease: Lease | None = None) -> np.ndarray:
-        """n fresh pages (refcount 1, owned by the caller), evicting cached pages LRU
-        leaf-first if needed. Raises CacheFullError and changes nothing if impossible."""
-        return self._acquire(0, [], 0, as_count(n, "n"), lease)[1]
+    def peek(self, version: int, tokens: Sequence[int] | PackedTokens) -> int:
+        """Pages of the longest cached prefix of `tokens` under `version`; changes nothing
+        (no reference, no lookup counted, no LRU stamp)."""
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
+            version = as_version(version)
+        return self._walk(version, self._token_bytes(tokens)[0])[1]
+
+    def match(self, version: int, tokens: Sequence[int] | PackedTokens) -> Match:
+        """Longest cached page-aligned prefix of `tokens` under `version`, its pages held for
+        the caller (release them when done)."""
+        return self.acquire(version, [PackedTokens.of(tokens)], 0)[0][0]
+
+    def alloc(self, n: int) -> np.ndarray:
+        """int32 [n] fresh pages (refcount 1, the caller's), evicting cached pages if needed.
+        Raises CacheFullError and changes nothing if impossible."""
+        return self.acquire(0, [], n)[1]
 
     def acquire(self, version: int, prefixes: Sequence[Sequence[int] | PackedTokens],
-                n_fresh: int, *, lease: Lease | None = None) -> tuple[list[Match], np.ndarray]:
-        """`match` of each prefix plus `alloc(n_fresh)` as one step: returns (matches, fresh
-        pages). If the pool cannot supply n_fresh pages once the matched paths are pinned,
-        raises CacheFullError having changed nothing (no lookup counted, no LRU stamp)."""
+                n_fresh: int) -> tuple[list[Match], np.ndarray]:
+        """`match` of each prefix plus `alloc(n_fresh)` as one step: returns (matches, int32
+        [n_fresh] fresh pages). If the pool cannot supply n_fresh pages once the matched
+        pages are held, raises CacheFullError having changed nothing (no lookup counted, no
+        LRU stamp)."""
         if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
             version = as_version(version)
         if type(prefixes) not in (list, tuple) and (
                 isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence)):
             raise TypeError(f"prefixes must be a sequence of token-id sequences, got "
                             f"{type(prefixes).__name__}")
-        data, tokens = [], 0
-        for i, prefix in enumerate(prefixes):
-            packed, length = self._token_bytes(prefix, i)
-            data.append(packed)
-            tokens += length
-        return self._acquire(version, data, tokens, as_count(n_fresh, "n_fresh"), lease)
-
-    def _acquire(self, version: int, data: list[bytes], lookup_tokens: int, n_fresh: int,
-                 lease: Lease | None) -> tuple[list[Match], np.ndarray]:
-        if lease is not None and not isinstance(lease, Lease):
-            raise TypeError(f"lease must be a Lease or None, got {type(lease).__name__}")
-        walks = [self._walk(version, d) for d in data]
-        matches, lasts, hit_tokens = [], [], 0
-        for path, n, start in walks:
-            match, last = self._match_of(path, n, start)
-            matches.append(match)
-            lasts.append(last)
-            hit_tokens += match.num_tokens
-        if n_fresh > self.pool._num_free:  # only then may pinning the paths matter
-            pinned = np.concatenate([m.pages for m in matches] + [_NO_PAGES])
+        packed = [self._token_bytes(prefix, i) for i, prefix in enumerate(prefixes)]
+        n_fresh = as_count(n_fresh, "n_fresh")
+        walks = [self._walk(version, data) for data, _ in packed]
+        matches = [self._match_of(*walk) for walk in walks]
+        pool = self.pool
+        if n_fresh > pool.num_free:  # only then may holding the matched pages matter
+            held = np.concatenate([m.pages for m in matches] + [_NO_PAGES])
             evictable = self._evictable()
-            evictable = int(evictable.sum()) - np.unique(pinned[evictable[pinned]]).size
-            if n_fresh > self.pool.num_free + evictable:
+            evictable = int(evictable.sum()) - np.unique(held[evictable[held]]).size
+            if n_fresh > pool.num_free + evictable:
                 raise CacheFullError(
-                    f"need {n_fresh} KV pages but only {self.pool.num_free + evictable} can be "
-                    f"made available ({self.pool.num_free} free + {evictable} evictable "
-                    f"cached; {self.pool.num_pages - 1} total). Use a larger pool or a "
+                    f"need {n_fresh} KV pages but only {pool.num_free + evictable} can be "
+                    f"made available ({pool.num_free} free + {evictable} evictable "
+                    f"cached; {pool.num_pages - 1} total). Use a larger pool or a "
                     f"smaller batch.")
-        pool, ref, pins = self.pool, self.pool._ref, self._pins
         with deferred_signals():
             now = next(self._clock)
             for i, (path, n, start) in enumerate(walks):
                 if path:
                     if i:  # an earlier prefix may have split a node of this path
-                        path, n, start = self._walk(version, data[i])
-                    keep = n - start // self._page_bytes
-                    if keep < len(path[-1].pages):  # the walk ends inside its last node
-                        self._split(path[-1], keep)
-                        self._still_walked(data[i])
+                        path, n, start = self._walk(version, packed[i][0])
+                    self._end_walk_at_node(path, n, start)
                     for node in path:
                         node.last_access = now
-                    if lease is None:
-                        for page in matches[i].pages.tolist():
-                            ref[page] += 1
-                    else:  # one pin for the whole path
-                        last = lasts[i]
-                        pins[last] = pins.get(last, 0) + 1
-                        lease._pins += ((self, last, self._pin_epoch),)
-            if n_fresh > pool._num_free:
-                self._evict(n_fresh - pool._num_free)
-            fresh = pool._take(n_fresh)
+            held = [page for m in matches for page in m.pages.tolist()]
+            if held:  # before evicting: a held page is not evictable
+                pool.incref(held)
+            if n_fresh > pool.num_free:
+                self._evict(n_fresh - pool.num_free)
+            fresh = pool.take(n_fresh)
             counters = self._counters
-            counters["lookups"] += len(data)
-            counters["lookup_tokens"] += lookup_tokens
-            counters["hit_tokens"] += hit_tokens
-            if lease is not None:
-                lease._parts += (fresh,)
-        return matches, _readonly(np.frombuffer(fresh, np.int32))
+            counters["lookups"] += len(packed)
+            counters["lookup_tokens"] += sum(length for _, length in packed)
+            counters["hit_tokens"] += sum(m.num_tokens for m in matches)
+        return matches, fresh
 
-    def release(self, pages: np.ndarray | Lease) -> None:
-        """Drops the caller's reference to each page (from alloc or match), or every
-        reference a lease holds (then empties it)."""
-        plan = self._plan_release(pages)
-        with deferred_signals():
-            self._apply_release(*plan)
-
-    def _plan_release(self, pages: np.ndarray | Lease, name: str = "pages") -> tuple:
-        """(lease or None, page sequences to drop a reference from, {last page: pins to
-        drop}); checks the pins (the pages are checked as they are dropped)."""
-        unpin = {}  # last page -> pins to drop
-        if not isinstance(pages, Lease):
-            return None, (as_page_list(pages, self.pool.num_pages, name),), unpin
-        lease, parts = pages, pages._parts
-        for cache, last, epoch in lease._pins:
-            if cache is not self:
-                raise ValueError("release of a lease that holds pins of another cache")
-            if epoch == self._pin_epoch:
-                unpin[last] = unpin.get(last, 0) + 1
-            else:  # flushed since: the path's pages hold one reference each
-                parts += (self._path_to(last),)
-        for last, k in unpin.items():
-            if self._pins.get(last, 0) < k:
-                raise ValueError(f"released a pin that was not held (the path ending at "
-                                 f"page {last})")
-        return lease, parts, unpin
-
-    def _apply_release(self, lease: Lease | None, parts: tuple, unpin: dict) -> None:
-        """(Inside a commit.) One pass: if a page was not held the pool undoes it all and
-        this raises with nothing changed."""
-        if not self.pool._decref_parts(parts):
-            raise ValueError(f"released pages that were not held: "
-                             f"{list(itertools.chain.from_iterable(parts))}")
-        if lease is not None:
-            pins = self._pins
-            for last, k in unpin.items():
-                if pins[last] == k:
-                    del pins[last]
-                else:
-                    pins[last] -= k
-            lease._parts = lease._pins = ()
-
-    def _path_to(self, last: int) -> list[int]:
-        """The pages from the root down to trie page `last` (parent links stay valid while
-        any reference holds the path)."""
-        path, parents = [], self._parents
-        while last:
-            path.append(last)
-            last = parents[last]
-        path.reverse()
-        return path
-
-    def page_refcounts(self) -> np.ndarray:
-        """int32 [P] references per page, lease pins included (a copy: pool.refcount counts a
-        pin only once something needed the pool's own counts, see `_flush_pins`)."""
-        refcount = self.pool.refcount.copy()
-        for last, k in self._pins.items():
-            refcount[self._path_to(last)] += k
-        return refcount
-
-    def _flush_pins(self) -> None:
-        """(Inside a commit.) Turns every pin into one reference per page of its path, so
-        eviction and invalidation can read the pool's refcounts; the leases holding them
-        release pages from then on (their pin epoch is older)."""
-        if self._pins:
-            ref = self.pool._ref
-            for last, k in self._pins.items():
-                for page in self._path_to(last):
-                    ref[page] += k
-            self._pins = {}
-            self._pin_epoch += 1
+    def release(self, pages: np.ndarray) -> None:
+        """pages int32 [n]: drops the caller's reference to each (from alloc or match;
+        repeats allowed). Raises ValueError, changing nothing, if one was not held."""
+        self.pool.decref(pages)
 
     def evict(self, n: int) -> int:
-        """Frees up to n unpinned cached pages: the oldest version namespace first, least
-        recently used leaves first within it."""
+        """Frees up to n evictable cached pages: the oldest version namespace first, least
+        recently used leaves first within it. Returns how many."""
         n = as_count(n, "n")
         with deferred_signals():
             return self._evict(n)
 
     def _evict(self, n: int) -> int:
-        self._flush_pins()
-        ref, size = self.pool._ref, self._page_bytes
+        ref, size = self.pool.refcount, self._page_bytes
         leaves = [(node.version, node.last_access, id(node), node)
                   for nodes in self._nodes.values() for page, node in nodes.items()
                   if page == node.pages[-1] and not node.children and ref[page] == 1]
@@ -426,11 +233,8 @@ class RadixCache:
             if parent.pages and not parent.children and ref[parent.pages[-1]] == 1:
                 heapq.heappush(leaves, (parent.version, parent.last_access, id(parent),
                                         parent))
-        pages = np.asarray(evicted, np.int32)
-        self._epoch += 1
-        self._matches.clear()
-        self._in_trie[pages] = False
-        self.pool._decref(pages, 1)
+        self._in_trie[evicted] = False
+        self.pool.decref(evicted)
         self._counters["evicted_pages"] += len(evicted)
         return len(evicted)
 
@@ -439,99 +243,54 @@ class RadixCache:
                   name: str = "tokens") -> tuple[bytes, ...]:
         """Hashable key of each full page of `tokens`: its int32 bytes (see `_token_bytes`)."""
         data = self._token_bytes(tokens, name)[0]
-        return _pages_format(len(data) // self._page_bytes, self._page_bytes).unpack_from(data)
+        return split_pages(data, self._page_bytes)
 
     def _token_bytes(self, tokens: Sequence[int] | PackedTokens,
                      name: str | int = "tokens") -> tuple[bytes, int]:
         """(int32 bytes of the full pages of `tokens`, number of tokens); a PackedTokens is
         taken as it is."""
         if type(tokens) is not PackedTokens:
-            tokens = _pack(tokens, name if type(name) is str else f"prefixes[{name}]")
+            tokens = pack_tokens(tokens, name if type(name) is str else f"prefixes[{name}]")
         cut = len(tokens) % self._page_bytes
         return (tokens[:len(tokens) - cut] if cut else tokens), len(tokens) >> 2
 
     def _walk(self, version: int, data: bytes) -> tuple[list[_Node], int, int]:
         """(nodes, n, start): the longest cached prefix of the full pages `data` under
         `version` is n pages, held by `nodes` in order, the last possibly only in part, whose
-        key begins at byte `start` of data (no change). While
-        no trie changed, the last walk is reused for the same data (peek, then acquire),
-        continued for data that extends it (acquire of a prompt, then insert of prompt +
-        output) and cut for data that begins it (the next sample's prompt)."""
-        last_data, last_version, epoch, path, n, start = self._last_walk
-        size = self._page_bytes
-        if epoch == self._epoch and last_version == version:
-            if data.startswith(last_data):
-                if last_data is data or n * size < len(last_data):  # stops where it stopped
-                    return path, n, start
-                if path:
-                    path = path.copy()
-                    return self._descend(version, data, path, path[-1], start, n * size)
-            elif last_data.startswith(data):  # a prefix (the prompt of the last insert)
-                n = min(n, len(data) // size)
-                keep, start, end = [], 0, 0
-                for node in path:
-                    if end >= n * size:
-                        break
-                    keep.append(node)
-                    start, end = end, end + len(node.key)
-                self._last_walk = (data, version, epoch, keep, n, start)
-                return keep, n, start
-        return self._descend(version, data, [], self._roots.get(version), 0, 0)
-
-    def _descend(self, version: int, data: bytes, path: list[_Node], node: _Node | None,
-                 start: int, done: int) -> tuple[list[_Node], int, int]:
-        """Continues a walk at `node` (the last of `path`, or a root), whose key begins at
-        byte `start` of data and is known to match up to byte `done`."""
-        if node is None:
-            return path, 0, 0
-        size, end, key = self._page_bytes, len(data), node.key
-        while True:
-            if len(key) > done - start:  # part of the node is not yet compared
-                if data.startswith(key, start):
-                    done = start + len(key)
-                else:  # count how many more of its pages match
-                    while (done < end and done - start < len(key)
-                           and data.startswith(key[done - start:done - start + size], done)):
-                        done += size
-                    break
-            if done >= end:
-                break
+        key begins at byte `start` of data. Changes nothing."""
+        node, path, start, done = self._roots.get(version), [], 0, 0
+        size, end = self._page_bytes, len(data)
+        while node is not None and done < end:
             child = node.children.get(data[done:done + size])
             if child is None:
                 break
             path.append(child)
-            node, key, start = child, child.key, done
-            done += size  # children are keyed by their first page
-        self._last_walk = (data, version, self._epoch, path, done // size, start)
+            start, key = done, child.key
+            if data.startswith(key, start):
+                node, done = child, start + len(key)
+                continue
+            done += size  # children are keyed by their first page; count the others
+            while done < end and data.startswith(key[done - start:done - start + size], done):
+                done += size
+            break
         return path, done // size, start
 
-    def _still_walked(self, data: bytes) -> None:
-        """After `_split` cut the last node of data's walk at the walk's end: the walk is
-        still exact (its nodes end where it ends), so it stays reusable."""
-        last = self._last_walk
-        if last[0] is data:
-            self._last_walk = (data, last[1], self._epoch) + last[3:]
-
-    def _match_of(self, path: list[_Node], n: int, start: int) -> tuple[Match, int]:
-        """(the Match of a walk (see `_walk`), its last page or 0). Memoised by last page: a
-        trie page's chain of ancestors changes only when pages leave the trie (eviction,
-        invalidation, reconcile), which empties the memo; a Match is immutable."""
+    def _match_of(self, path: list[_Node], n: int, start: int) -> Match:
+        """The Match of a walk (see `_walk`): its first n pages."""
         if not n:
-            return _NO_MATCH, 0
-        last = path[-1].pages[n - start // self._page_bytes - 1]
-        match = self._matches.get(last)
-        if match is None:
-            if len(self._matches) >= 4096:
-                self._matches.clear()
-            chain = _readonly(np.array(self._path_to(last), np.int32))
-            match = self._matches[last] = Match(chain, n * self.page_size)
-        return match, last
+            return _NO_MATCH
+        pages = []
+        for node in path:
+            pages += node.pages
+        return Match(_readonly(np.array(pages[:n], np.int32)), n * self.page_size)
 
-    def _split(self, node: _Node, keep: int) -> None:
-        """(Inside a commit.) Cuts the last node of a walk after its first `keep` pages (the
-        walk's; fewer than it holds): its other pages become its only child, inheriting its
-        children. The trie's meaning is unchanged."""
-        self._epoch += 1
+    def _end_walk_at_node(self, path: list[_Node], n: int, start: int) -> None:
+        """(Inside a commit.) If a walk ends inside its last node, splits that node there:
+        its other pages become its only child, inheriting its children (so an LRU stamp
+        covers only the pages walked). The trie's meaning is unchanged."""
+        node, keep = path[-1], n - start // self._page_bytes
+        if keep == len(node.pages):
+            return
         cut = keep * self._page_bytes
         tail = _Node(node.key[cut:], node.pages[keep:], node, node.version, node.last_access)
         tail.children, node.children = node.children, {node.key[cut:cut + self._page_bytes]: tail}
@@ -543,74 +302,53 @@ class RadixCache:
         for page in tail.pages:
             nodes[page] = tail
 
-    def match(self, version: int, tokens: Sequence[int] | PackedTokens, *,
-              lease: Lease | None = None) -> Match:
-        """Longest cached page-aligned prefix of `tokens` under `version`, pinned for the
-        caller (release the returned pages, or the lease, when done)."""
-        version = as_version(version)
-        data, length = self._token_bytes(tokens)
-        return self._acquire(version, [data], length, 0, lease)[0][0]
-
     def insert(self, version: int, tokens: Sequence[int] | PackedTokens,
-               pages: np.ndarray, *, release: np.ndarray | Lease | None = None) -> int:
+               pages: np.ndarray, *, release: np.ndarray | None = None) -> int:
         """Records the full pages of `tokens` (KV written by `version`).
 
-        pages [>= len(tokens) // page_size] in order; those past the cached prefix (the ones
-        the trie takes) must be held by the caller. Chunks already cached are left as they
-        are (a duplicate page stays the caller's and is freed on release) and insertion
-        continues below them: a duplicate holds the same tokens' KV under the same version,
-        so what follows is the same whichever copy it was computed against. Returns how many
-        pages the trie took.
+        pages int32 [>= len(tokens) // page_size] in order; those past the cached prefix
+        (the ones the trie takes) must be held by the caller. Chunks already cached are left
+        as they are (a duplicate page stays the caller's and is freed on release) and
+        insertion continues below them: a duplicate holds the same tokens' KV under the same
+        version, so what follows is the same whichever copy it was computed against. Returns
+        how many pages the trie took.
 
-        release: then drop these references as `release(release)` does, in the same step (a
-        request finishing: cache its pages, let go of them); if it holds a page that is not
-        held, raises with nothing inserted.
+        release int32 [m]: then drop these references as `release(release)` does, in the
+        same step (a request finishing); if one is not held, raises with nothing inserted.
         """
         if type(version) is not int or not 0 <= version <= MAX_VERSION:  # per request
             version = as_version(version)
         data = self._token_bytes(tokens)[0]
-        size = self._page_bytes
+        size, num_pages = self._page_bytes, self.pool.num_pages
         full = len(data) // size
         if type(pages) is not np.ndarray or pages.ndim != 1 or pages.dtype.kind != "i":
-            pages = as_page_ids(pages, self.pool.num_pages)
+            pages = as_page_ids(pages, num_pages)
         if len(pages) < full:
             raise ValueError(f"{full} full pages of tokens but only {len(pages)} pages")
         path, n, start = self._walk(version, data)
-        # one new node holds them, below the cached prefix (the only pages the trie reads)
-        new_pages = pages[n:full].tolist()
-        ref, trie, num_pages = self.pool._ref, self._trie, self.pool.num_pages
-        clash = len(set(new_pages)) < len(new_pages)
-        for page in new_pages:  # one pass; the errors name every offending page
-            if clash or not 0 < page < num_pages or ref[page] < 1 or trie[page]:
-                as_page_list(new_pages, num_pages)  # raises for an id out of range
-                if any(ref[p] < 1 for p in new_pages):
-                    raise ValueError(f"insert of pages the caller does not hold: "
-                                     f"{[p for p in new_pages if ref[p] < 1]}")
-                raise ValueError(f"pages {new_pages} include one already cached under another "
-                                 f"prefix or listed twice")
-        plan = None if release is None else self._plan_release(release, "release")
+        new_pages = as_page_list(pages[n:full], num_pages)  # the only pages the trie reads
+        trie = self._trie
+        if len(set(new_pages)) < len(new_pages) or any(trie[page] for page in new_pages):
+            raise ValueError(f"pages {new_pages} include one already cached under another "
+                             f"prefix or listed twice")
         with deferred_signals():
-            for page in new_pages:  # the trie's references first: a release never frees them
-                ref[page] += 1
-            if plan is not None:
+            if new_pages:  # the trie's references first (raises if the caller holds none)
+                self.pool.incref(new_pages)
+            if release is not None:
                 try:
-                    self._apply_release(*plan)
-                except ValueError:
-                    for page in new_pages:
-                        ref[page] -= 1
+                    self.pool.decref(release, "release")
+                except (TypeError, ValueError):  # changed nothing: undo the trie's references
+                    self.pool.decref(new_pages)
                     raise
             if version not in self._roots:
                 self._roots[version] = _Node(b"", [], None, version, 0)
                 self._nodes[version] = {}
             now = next(self._clock)
-            keep = n - start // size  # pages of the walk's last node it covers
-            cut = path and keep < len(path[-1].pages)
-            if cut:
-                self._split(path[-1], keep)
+            if path:
+                self._end_walk_at_node(path, n, start)
             for node in path:
                 node.last_access = now
             if new_pages:
-                self._epoch += 1
                 parent = path[-1] if path else self._roots[version]
                 child = _Node(data[n * size:], new_pages, parent, version, now)
                 parent.children[data[n * size:(n + 1) * size]] = child
@@ -622,10 +360,6 @@ class RadixCache:
                     parents[page] = above
                     above = page
                 self._counters["inserted_pages"] += len(new_pages)
-                # the walk of data now ends at the new node (kept for the next walk)
-                self._last_walk = (data, version, self._epoch, path + [child], full, n * size)
-            elif cut:
-                self._still_walked(data)
         return len(new_pages)
 
     def invalidate_before(self, version: int, *, held: bool = False) -> int:
@@ -648,19 +382,16 @@ class RadixCache:
         if not stale:
             return 0
         pages = np.fromiter((p for v in stale for p in self._nodes[v]), np.int32)
-        pinned = pages[self.page_refcounts()[pages] > 1]
-        if pinned.size and not held:
+        in_use = pages[self.pool.refcount[pages] > 1]
+        if in_use.size and not held:
             raise PinnedPagesError(
                 f"cannot invalidate versions {sorted(stale)} {what}: "
-                f"{pinned.size} of their {pages.size} pages are held by live requests")
-        with deferred_signals():
-            self._flush_pins()  # pinned pages that leave the trie stay with their holders
-            self._epoch += 1
-            self._matches.clear()
+                f"{in_use.size} of their {pages.size} pages are held by live requests")
+        with deferred_signals():  # pages in use that leave the trie stay with their holders
             for v in stale:
                 del self._roots[v], self._nodes[v]
             self._in_trie[pages] = False
-            self.pool._decref(pages, 1)
+            self.pool.decref(pages)
             self._counters["invalidated_pages"] += int(pages.size)
             self._counters["invalidations"] += 1
         return int(pages.size)
@@ -674,15 +405,10 @@ class RadixCache:
                             f"{type(keep_versions).__name__} {keep_versions!r:.80}")
         keep = {as_version(v, "keep_versions") for v in keep_versions}
         with deferred_signals():
-            self._epoch += 1
-            self._matches.clear()
             for v in [v for v in self._roots if v not in keep]:
-                for page in self._nodes[v]:
-                    self._in_trie[page] = False
+                self._in_trie[list(self._nodes[v])] = False
                 del self._roots[v], self._nodes[v]
             self.pool.reset(self._in_trie)
-            self._pins = {}
-            self._pin_epoch += 1
 
     # ---------------------------------------------------------------- introspection
     def versions(self) -> list[int]:
@@ -701,8 +427,7 @@ class RadixCache:
         return sorted(out)
 
     def stats(self) -> CacheStats:
-        ref = self.page_refcounts()[1:]
-        trie = self._in_trie[1:]
+        ref, trie = self.pool.refcount[1:], self._in_trie[1:]
         cached = int((trie & (ref == 1)).sum())
         return CacheStats(
             total_pages=self.pool.num_pages - 1,
@@ -714,41 +439,26 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Raises AssertionError if page accounting or trie structure is inconsistent."""
-        assert (self.pool.refcount >= 0).all(), "negative refcount"
-        for last, k in self._pins.items():
-            assert k >= 1 and self._in_trie[last], "pin on a page outside the trie"
-        ref = self.page_refcounts()
-        assert ref[0] == 0, "null page was handed out"
-        free = self.pool._free[:self.pool.num_free]
-        assert len(set(free.tolist())) == free.size, "page on the free list twice"
-        assert (ref[free] == 0).all() and not self._in_trie[free].any(), "free page in use"
-        assert self.pool.num_free == int((ref[1:] == 0).sum()), "page leaked"
-        s = self.stats()
-        assert s.free_pages + s.cached_pages + s.in_use_pages == s.total_pages
-        size, seen = self._page_bytes, set()
+        self.pool.check_invariants()
+        ref, size, seen = self.pool.refcount, self._page_bytes, set()
 
         def visit(node, v) -> tuple[int, bool]:  # (evictable pages in subtree, all cached)
             below = [visit(c, v) for c in node.children.values()]
-            for page in node.pages:
-                assert self._nodes[v][page] is node, "page index out of date"
             for key, child in node.children.items():
                 assert child.parent is node and child.version == v and child.pages
                 assert key == child.key[:size] and len(child.key) == size * len(child.pages)
             free_below, count = all(ok for _, ok in below), sum(n for n, _ in below)
             for page in reversed(node.pages):
+                assert self._nodes[v][page] is node and page not in seen, f"page {page}"
+                seen.add(page)
                 free_below = free_below and ref[page] == 1
                 count += free_below
             return count, free_below
 
-        evictable = 0
-        for v, root in self._roots.items():
-            evictable += visit(root, v)[0]
-            for page, node in self._nodes[v].items():
-                assert node.version == v and page in node.pages
-                assert page not in seen, f"page {page} in the trie twice"
-                seen.add(page)
-                assert ref[page] >= 1 and self._in_trie[page]
+        evictable = sum(visit(root, v)[0] for v, root in self._roots.items())
+        indexed = {page for nodes in self._nodes.values() for page in nodes}
+        assert seen == indexed == set(np.flatnonzero(self._in_trie).tolist()), "index stale"
+        assert (ref[list(seen)] >= 1).all(), "trie page without its reference"
         for _, page, above, _, _ in self.page_entries():
             assert self._parent[page] == above, "parent index out of date"
-        assert seen == set(np.flatnonzero(self._in_trie).tolist())
         assert self.num_evictable == evictable
