@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jaxrl_cache.cache import Lease, RadixCache
+from jaxrl_cache.cache import RadixCache
 from jaxrl_cache.errors import (CacheFullError, PinnedPagesError, StalenessError,
                                 VersionError)
 from jaxrl_cache.rl.audit import audit_attribution
@@ -299,37 +299,36 @@ def test_junk_checkpoint_entry_points(state, saved, which, value):
     assert sorted(p.name for p in saved.rglob("*")) == before
 
 
-def cache_state(cache, lease):
+def cache_state(cache):
     nodes = cache.page_entries()
     return (cache.pool.refcount.tobytes(), cache.pool.num_free, cache._in_trie.tobytes(),
-            nodes, tuple(cache._counters.items()), len(lease))
+            nodes, tuple(cache._counters.items()))
 
 
 @settings(max_examples=200, deadline=None)
-@given(which=st.sampled_from(["match_v", "match_t", "match_lease", "insert_v", "insert_t", "insert_p",
+@given(which=st.sampled_from(["match_v", "match_t", "insert_v", "insert_t", "insert_p",
                               "alloc", "acquire_p", "acquire_n", "evict", "invalidate",
                               "release"]),
        value=JUNK)
 def test_junk_cache_calls(which, value):
-    cache, lease = RadixCache(10, 4), Lease()
-    m = cache.match(0, [1] * 8, lease=lease)
-    cache.insert(0, [1] * 8, np.concatenate([m.pages, cache.alloc(2, lease=lease)]))
-    before = cache_state(cache, lease)
+    cache = RadixCache(10, 4)
+    held = np.concatenate([cache.match(0, [1] * 8).pages, cache.alloc(2)])
+    cache.insert(0, [1] * 8, held)
+    before = cache_state(cache)
     calls = {
-        "match_v": lambda: cache.match(value, [1] * 8, lease=lease),
-        "match_t": lambda: cache.match(0, value, lease=lease),
-        "match_lease": lambda: cache.match(0, [1] * 8, lease=value),
-        "insert_v": lambda: cache.insert(value, [2] * 4, lease.pages[:1]),
-        "insert_t": lambda: cache.insert(0, value, lease.pages),
+        "match_v": lambda: cache.match(value, [1] * 8),
+        "match_t": lambda: cache.match(0, value),
+        "insert_v": lambda: cache.insert(value, [2] * 4, held[:1]),
+        "insert_t": lambda: cache.insert(0, value, held),
         "insert_p": lambda: cache.insert(0, [3] * 8, value),
-        "alloc": lambda: cache.alloc(value, lease=lease),
-        "acquire_p": lambda: cache.acquire(0, value, 1, lease=lease),
-        "acquire_n": lambda: cache.acquire(0, [[1] * 8], value, lease=lease),
+        "alloc": lambda: cache.alloc(value),
+        "acquire_p": lambda: cache.acquire(0, value, 1),
+        "acquire_n": lambda: cache.acquire(0, [[1] * 8], value),
         "evict": lambda: cache.evict(value),
         "invalidate": lambda: cache.invalidate_before(value),
         "release": lambda: cache.release(value),
     }
     ok, _ = typed_or_valid(calls[which])
     if not ok:
-        assert cache_state(cache, lease) == before
+        assert cache_state(cache) == before
     cache.check_invariants()
