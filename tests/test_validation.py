@@ -18,7 +18,7 @@ from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_
 from jaxrl_cache.rl.train import (NonFiniteUpdate, TrainState, make_batch, optimizer_counts,
                                   train_step)
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample
+from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, SchedulerConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
 from tests.helpers import CONFIG, varied_params
 
@@ -114,6 +114,19 @@ def test_cache_config_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         CacheConfig(**kwargs)
     assert CacheConfig(num_pages=np.int64(8)).num_pages == 8
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(max_num_seqs=True), TypeError, "max_num_seqs must be an integer"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs must be in"),
+    (dict(chunk_steps=2.0), TypeError, "chunk_steps must be an integer"),
+    (dict(max_prefill_tokens=-1), ValueError, "max_prefill_tokens"),
+])
+def test_scheduler_config_refused(kwargs, error, match):
+    """The same checks (checks.as_count) and error types as every other config."""
+    with pytest.raises(error, match=match):
+        SchedulerConfig(**kwargs)
+    assert type(SchedulerConfig(max_num_seqs=np.int64(8)).max_num_seqs) is int
 
 
 # ------------------------------------------------------------------ batches and steps
