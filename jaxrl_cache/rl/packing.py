@@ -7,7 +7,9 @@ shape [U, M, B, R], so one compiled step serves every micro-batch. R is a multip
 at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to 32,
 whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-batches are
 balanced by tokens (`balanced_parts`). So computed / real tokens stays near 1
-(`PackedBatch.computed_tokens`).
+(`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
+holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
+as much as many steps of padding.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 
 ROW_ALIGN = 32
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
+SHAPE_REUSE = 1.5  # a known shape wins while it computes at most this x the tightest shape
 
 
 @flax.struct.dataclass
@@ -84,11 +87,13 @@ def balanced_parts(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
     return [np.array(sorted(m)) for m in members]
 
 
-def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1):
+def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1,
+         known=()):
     """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`.
 
     Raises ValueError if one sequence cannot fit the budget. row_multiple: B is a multiple
-    of it (a mesh splitting rows)."""
+    of it (a mesh splitting rows). known: (R, M, B) shapes compiled before, preferred (the
+    cheapest that holds the parts) while within SHAPE_REUSE x the tightest cost."""
     longest = max(int(l.max()) for l in lengths_per_part)
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
@@ -105,21 +110,30 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
         cost = len(rows) * micro * per_micro * width
         if best is None or cost < best[0]:
             best = (cost, width, micro, per_micro, rows)
-    return best[1:]
+    reuse = None
+    for width, micro, per_micro in known:
+        cost = len(lengths_per_part) * micro * per_micro * width
+        if width < longest or cost > SHAPE_REUSE * best[0] or (reuse and cost >= reuse[0]):
+            continue
+        rows = [_first_fit(l, width) for l in lengths_per_part]
+        if max(len(r) for r in rows) <= micro * per_micro:
+            reuse = (cost, width, micro, per_micro, rows)
+    return (reuse or best)[1:]
 
 
 def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, *,
-         parts: list[np.ndarray], token_budget: int, row_multiple: int = 1) -> PackedBatch:
+         parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
+         known=()) -> PackedBatch:
     """Packs samples into a PackedBatch.
 
     sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
     versions, weights: per sample [L_i - prompt_i] (recorded log-prob, version and loss
     weight of each output token); advantages f32 [N]; parts: sample indices of each
-    mini-batch (in order).
+    mini-batch (in order); known: as in `plan`.
     """
     lengths = np.array([len(s) for s in sequences])
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
-                                         row_multiple)
+                                         row_multiple, known)
     shape = (len(parts), micro, per_micro, width)
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)

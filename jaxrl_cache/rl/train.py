@@ -374,8 +374,12 @@ def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None =
         f"{gib(have)} available; {hint}")
 
 
+_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B)} packed so far
+
+
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
-    """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`)."""
+    """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`),
+    preferring a shape this process packed (so compiled) before (`packing.plan`)."""
     if batch.num_samples < cfg.mini_batches:
         raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
                          f"{batch.num_samples} samples")
@@ -384,9 +388,13 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
     for part in parts:
         for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
             weights[i] = w
-    return pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
-                batch.token_versions, batch.advantages, weights, parts=parts,
-                token_budget=cfg.token_budget, row_multiple=row_multiple)
+    known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), set())
+    packed = pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
+                  batch.token_versions, batch.advantages, weights, parts=parts,
+                  token_budget=cfg.token_budget, row_multiple=row_multiple, known=known)
+    _, micro, rows, width = packed.tokens.shape
+    known.add((width, micro, rows))
+    return packed
 
 
 def _compute_params(params, cfg: TrainConfig):
