@@ -1,8 +1,8 @@
 """jaxrl_cache: attributable RL post-training of language models in JAX.
 
 Every sample carries the policy version that produced it; prefix KV is cached per version
-and never reused across versions. README.md describes the protocol and the invariants;
-docs/DESIGN.md the layout of the code.
+and never reused across versions. README.md describes the protocol; docs/DESIGN.md the
+layout of the code and the invariants (each with its test).
 """
 from jaxrl_cache.cache import CacheStats, PackedTokens, RadixCache
 from jaxrl_cache.errors import CacheFullError, PinnedPagesError, StalenessError, VersionError
