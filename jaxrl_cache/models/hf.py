@@ -128,7 +128,9 @@ def read_json(file: pathlib.Path):
 
 
 def _refuse(source: str, field: str, value, why: str):
-    raise ConfigError(f"{source} field {field}={value!r:.200} is not supported: {why}")
+    """A one-line ConfigError (a field name with control characters is written escaped)."""
+    field = field if field.isprintable() else ascii(field)
+    raise ConfigError(f"{source} field {field:.200}={value!r:.200} is not supported: {why}")
 
 
 def _number(d: dict, key: str, kind: type, source: str, *, label: str | None = None,
