@@ -355,3 +355,26 @@ def test_directory_lock(tmp_path):
         holder.wait(30)
     dir_lock.claim(tmp_path / "held")  # the dead holder's lock is taken over
 
+
+
+def test_a_step_pruned_while_a_reader_lists_steps_is_retried(tmp_path, state, monkeypatch):
+    """orbax stats every step while it builds a manager: a step the writer prunes meanwhile
+    raises FileNotFoundError there. The reader rebuilds its manager (the restore succeeds);
+    if steps keep vanishing it raises CheckpointError, never FileNotFoundError."""
+    import jaxrl_cache.rl.checkpoint as ckpt
+    save_checkpoint(tmp_path / "ckpt", state)
+    real, failures = ckpt._manager, []
+
+    def flaky(path, *args, **kw):
+        if len(failures) < 2:
+            failures.append(path)
+            raise FileNotFoundError(str(path / "1"))
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(ckpt, "_manager", flaky)
+    got = restore_checkpoint(tmp_path / "ckpt", state)
+    assert len(failures) == 2 and int(got.version) == int(state.version)
+    monkeypatch.setattr(ckpt, "_manager", lambda path, *a, **k: (_ for _ in ()).throw(
+        FileNotFoundError(str(path))))
+    with pytest.raises(CheckpointError, match="kept disappearing"):
+        latest_checkpoint_version(tmp_path / "ckpt")

@@ -144,6 +144,18 @@ def _manager(path: pathlib.Path, max_to_keep: int | None = None, *,
     return ocp.CheckpointManager(path, options=options, item_names=("state", "meta"))
 
 
+def _reader(path: pathlib.Path) -> ocp.CheckpointManager:
+    """A read-only manager; rebuilt if the writer prunes a step while orbax lists the steps
+    (FileNotFoundError), up to RESTORE_ATTEMPTS times."""
+    for attempt in range(1, RESTORE_ATTEMPTS + 1):
+        try:
+            return _manager(path)
+        except FileNotFoundError:
+            if attempt == RESTORE_ATTEMPTS:
+                raise CheckpointError(f"{path}: steps kept disappearing while being listed "
+                                      f"(a writer pruning faster than this reader)") from None
+
+
 def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pathlib.Path:
     """Saves `state` as step `state.version` of the checkpoint directory `directory` (created
     if missing), reads it back, and keeps the newest `max_to_keep` steps. Returns the step's
@@ -239,7 +251,7 @@ def latest_checkpoint_version(directory) -> int | None:
     if path is None:
         return None
     _quiet()
-    with _manager(path) as mngr:
+    with _reader(path) as mngr:
         return mngr.latest_step()
 
 
@@ -259,7 +271,7 @@ def restore_checkpoint(directory, template: TrainState, *, step: int | None = No
         raise CheckpointError(f"no checkpoint in {pathlib.Path(directory).resolve()}")
     _quiet()
     for attempt in range(1, RESTORE_ATTEMPTS + 1):
-        with _manager(path) as mngr:
+        with _reader(path) as mngr:
             steps = mngr.all_steps()
             if step is None and not steps:
                 raise CheckpointError(f"no checkpoint in {path}")
