@@ -1,6 +1,7 @@
-"""Timing shared by the benchmarks."""
+"""Timing and report writing shared by the benchmarks."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -25,3 +26,13 @@ def best_interleaved(runs: dict, rounds: int, clock=time.perf_counter) -> dict:
             fn()
             best[name] = min(best[name], clock() - t0)
     return best
+
+
+def write_report(result: dict, json_path, md_path, markdown) -> None:
+    """Writes `result` as JSON (json_path) and markdown(result) (md_path), each if given,
+    and prints the markdown."""
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if md_path:
+        md_path.write_text(markdown(result))
+    print(markdown(result))

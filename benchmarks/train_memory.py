@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import write_report
+
 GIB = 2 ** 30
 PROMPT = 32
 MODELS = {  # ModelConfig fields of each shape (random params: only the shapes matter)
@@ -313,11 +315,7 @@ def main(argv=None) -> None:
                                          result["token_budget"], key)
         for m in MODELS for d in (False, True) for key in ("peak_rss_gib", "planned_gib")
         if any(r["model"] == m and r["donate"] == d for r in result["points"])}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        args.md.write_text(markdown(result))
-    print(markdown(result))
+    write_report(result, args.json, args.md, markdown)
 
 
 if __name__ == "__main__":

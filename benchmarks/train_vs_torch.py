@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import write_report
+
 MODEL = "/root/.cache/jaxrl_cache/SmolLM2-135M-Instruct"
 TORCH_PYTHON = "/work/torchvenv/bin/python"
 OURS_PYTHON = "/work/main/.venv/bin/python"
@@ -321,11 +323,7 @@ def main(argv=None) -> None:
                   "cores, shared", model=MODEL, prompt_tokens=PROMPT, steps=args.steps,
                   remat=args.remat, torch_checkpointing=args.torch_checkpointing,
                   runs=runs, summary=summarise(runs))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        args.md.write_text(markdown(result))
-    print(markdown(result))
+    write_report(result, args.json, args.md, markdown)
 
 
 if __name__ == "__main__":
