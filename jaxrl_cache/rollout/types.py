@@ -62,6 +62,9 @@ class Sample:
     #   written by a version other than token_versions[t] (kv_policy="keep" only); None = none
     text: str | None = None  # decoded output_ids (engine with a tokenizer), cut at the stop
     #                          string that ended it (rollout/text.py); None without one
+    loss_mask: np.ndarray | None = None  # bool [len(output_ids)]: tokens the policy sampled
+    #   (an episode's view: observation tokens are False, never trained on nor audited);
+    #   None = every output token was sampled (a single-turn sample)
 
     @property
     def oldest_version(self) -> int:
@@ -105,3 +108,96 @@ class RolloutBatch:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(s.prompt_ids) for s in self.samples)
+
+
+FINISH_REASONS = ("done", "max_turns", "token_budget", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """One multi-turn episode (rollout/episodes.py): the first observation, then every
+    assistant turn and environment observation in order.
+
+    Per token of `token_ids` (everything after the first observation): loss_mask True where
+    the policy sampled it; logprobs its behavior log-prob (0 on observation tokens);
+    token_versions the version that sampled it (an observation token carries the version of
+    the last token sampled before it, so every entry is a real version); mixed_tokens as
+    Sample.mixed_tokens. turns[k] = (start, end): turn k's sampled tokens are
+    token_ids[start:end]; observation k follows it.
+    """
+    index: int  # position in the call's output (task order, then episode order)
+    group: int  # index of its task in the call (a GRPO group: episodes of one task)
+    prompt_ids: tuple  # the first observation
+    token_ids: tuple
+    loss_mask: np.ndarray  # bool [T]
+    logprobs: np.ndarray  # f32 [T]
+    token_versions: np.ndarray  # int64 [T]
+    turns: tuple  # ((start, end), ...) one per assistant turn
+    turn_texts: tuple  # decoded text of each turn (what the environment was given)
+    rewards: tuple  # float per environment step
+    finish_reason: str  # one of FINISH_REASONS
+    cached_tokens: int  # context tokens of its turns served by the radix cache
+    kv_versions: tuple = ()  # sorted versions that wrote KV its tokens attended to
+    mixed_tokens: np.ndarray | None = None  # bool [T] (kv_policy "keep"); None = none
+    error: str | None = None  # the environment's exception, when finish_reason == "error"
+
+    @property
+    def reward(self) -> float:
+        """The episode's return: the sum of the environment's rewards."""
+        return float(sum(self.rewards))
+
+    @property
+    def sampled_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+    def as_sample(self) -> Sample:
+        """The episode as a Sample whose loss_mask marks the sampled tokens (what the batch
+        builder and the audit consume)."""
+        sampled = self.token_versions[self.loss_mask]
+        return Sample(
+            prompt_ids=self.prompt_ids, output_ids=self.token_ids,
+            output_logprobs=self.logprobs,
+            behavior_version=int(sampled.min()) if sampled.size else
+            int(self.token_versions.min(initial=0)),
+            token_versions=self.token_versions, cached_tokens=self.cached_tokens,
+            finish_reason=self.finish_reason, group=self.group, kv_versions=self.kv_versions,
+            mixed_tokens=self.mixed_tokens, text="".join(self.turn_texts),
+            loss_mask=self.loss_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeBatch:
+    """What `RolloutEngine.rollout_episodes` returns. `samples` (one per episode, with loss
+    masks) is what `make_batch` and `audit_attribution` read, as for a RolloutBatch."""
+    episodes: list
+    version: int
+    sampling: SamplingParams
+    prefill_tokens: int  # context tokens whose KV was computed (all turns)
+    cached_tokens: int  # context tokens served by the radix cache (all turns)
+    history_tokens: int  # tokens of later turns' contexts that an earlier turn had seen
+    history_cached: int  # ... of them served by the cache (not recomputed)
+    decode_steps: int
+    decode_chunks: int
+    prefill_launches: int
+    env_steps: int
+    env_seconds: float  # summed time inside environment calls (on the worker threads)
+    seconds: float
+    sync_ack: WeightAck | None = None
+    recomputed_tokens: int = 0  # context tokens re-prefilled after in-flight weight updates
+    weight_updates: int = 0
+
+    @property
+    def samples(self) -> list:
+        return [e.as_sample() for e in self.episodes]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(e.sampled_tokens for e in self.episodes)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(e.prompt_ids) for e in self.episodes)
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.cached_tokens
