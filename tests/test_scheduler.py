@@ -104,11 +104,11 @@ def test_pack_prefill_packs_tails_and_copies_partial_pages():
 
 def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     fresh = Row(index=0, group=0, prompt=(1, 2, 3), pages=np.array([4, 5], np.int32),
-                cached_tokens=0)
+                cached_tokens=0, max_new=5)
     running = Row(index=1, group=0, prompt=(1, 2, 3), pages=np.array([4, 6], np.int32),
-                  cached_tokens=0, fresh=False, tokens=[7, 8], logprobs=[-1.0, -2.0])
+                  cached_tokens=0, max_new=5, fresh=False, tokens=[7, 8], logprobs=[-1.0, -2.0])
     slots = [fresh, None, running]
-    arrays = scheduler.pack_decode(slots, width=4, max_new_tokens=5)
+    arrays = scheduler.pack_decode(slots, width=4)
     assert arrays.fresh.tolist() == [True, False, False]
     assert arrays.position.tolist() == [3, 0, 4]  # fresh: prompt length; running: its last
     assert arrays.last_token.tolist() == [0, 0, 8]
@@ -118,12 +118,11 @@ def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     tokens = np.array([[9, 9, 0], [0, 0, 0], [1, 2, 3]], np.int32)
     logprobs = -np.ones((3, 3), np.float32)
     done = scheduler.apply_chunk(slots, tokens, logprobs, np.array([2, 0, 3]),
-                                 np.array([False, False, False]), max_new_tokens=5,
-                                 version=0)
+                                 np.array([False, False, False]), version=0)
     assert done == [2] and running.finish_reason == "length"
     assert running.tokens == [7, 8, 1, 2, 3] and fresh.tokens == [9, 9] and not fresh.fresh
     done = scheduler.apply_chunk([fresh], tokens[:1], logprobs[:1], np.array([1]),
-                                 np.array([True]), max_new_tokens=5, version=0)
+                                 np.array([True]), version=0)
     assert done == [0] and fresh.finish_reason == "stop" and fresh.tokens == [9, 9, 9]
     assert fresh.prompt == (1, 2, 3) and scheduler.written_outputs(fresh) == [9, 9]
 
@@ -133,30 +132,30 @@ def test_resumed_row_re_prefills_its_context_and_continues_its_stream():
     as a one-row unit prefilling prompt + tokens, then draws its next token from that
     prefill (fresh) at the position after its last token."""
     row = Row(index=5, group=2, prompt=(1, 2, 3), pages=np.zeros(0, np.int32),
-              cached_tokens=0, fresh=False, tokens=[7, 8, 9], logprobs=[-1.0] * 3,
+              cached_tokens=0, max_new=8, fresh=False, tokens=[7, 8, 9], logprobs=[-1.0] * 3,
               resume=True)
-    assert scheduler.pack_decode([row], width=4, max_new_tokens=8).budget.tolist() == [0]
+    assert scheduler.pack_decode([row], width=4).budget.tolist() == [0]
     # context 6 tokens, 8 - 3 = 5 more to emit: pages for 6 + 5 - 1 = 10 positions at page 4
     matched = np.array([11], np.int32)  # first 4 context tokens cached
-    unit = scheduler.resume_unit(row, matched, np.array([12, 13], np.int32), 8, 4)
+    unit = scheduler.resume_unit(row, matched, np.array([12, 13], np.int32), 4)
     assert unit.prompt == (1, 2, 3, 7, 8, 9) and unit.cached_tokens == 4
     assert unit.new_tokens == 2 and unit.rows == (row,)
     assert row.pages.tolist() == [11, 12, 13] and row.fresh and not row.resume
-    arrays = scheduler.pack_decode([row], width=4, max_new_tokens=8)
+    arrays = scheduler.pack_decode([row], width=4)
     assert arrays.fresh.tolist() == [True] and arrays.position.tolist() == [6]
     assert arrays.emitted.tolist() == [3] and arrays.budget.tolist() == [5]
     prefill = scheduler.pack_prefill([(unit, [0])], 4, 1, 4, 1, 4)
     assert prefill.tokens[:2].tolist() == [8, 9] and prefill.token_pos[:2].tolist() == [4, 5]
     assert prefill.kv_lens.tolist() == [6] and prefill.logit_slot.tolist() == [1]
     with pytest.raises(ValueError, match="fresh pages"):
-        scheduler.resume_unit(row, matched, np.array([12], np.int32), 8, 4)
+        scheduler.resume_unit(row, matched, np.array([12], np.int32), 4)
 
 
 def test_tokens_over_kv_of_another_version_are_mixed():
     row = Row(index=0, group=0, prompt=(1, 2), pages=np.array([1], np.int32),
-              cached_tokens=0, kv_now={3}, kv_versions={3})
+              cached_tokens=0, max_new=9, kv_now={3}, kv_versions={3})
     tokens, logprobs = np.array([[5, 6]], np.int32), np.zeros((1, 2), np.float32)
-    scheduler.apply_chunk([row], tokens, logprobs, np.array([2]), np.array([False]), 9, 3)
-    scheduler.apply_chunk([row], tokens, logprobs, np.array([1]), np.array([False]), 9, 4)
+    scheduler.apply_chunk([row], tokens, logprobs, np.array([2]), np.array([False]), 3)
+    scheduler.apply_chunk([row], tokens, logprobs, np.array([1]), np.array([False]), 4)
     assert row.token_versions == [3, 3, 4] and row.mixed == [False, False, True]
     assert row.kv_now == {3, 4} and row.kv_versions == {3, 4}

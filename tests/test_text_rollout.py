@@ -213,7 +213,8 @@ def test_incremental_stop_search_matches_the_brute_force_reference(kind, text, s
     ids = tok.encode(text)
     rows = RowText(tok, SamplingParams(stop=tuple(stops),
                                          include_stop_str_in_output=include))
-    row = Row(index=0, group=0, prompt=(1,), pages=np.zeros(0, np.int32), cached_tokens=0)
+    row = Row(index=0, group=0, prompt=(1,), pages=np.zeros(0, np.int32), cached_tokens=0,
+              max_new=8)
     for lo in range(0, len(ids), chunk):
         row.tokens += ids[lo:lo + chunk]
         for per_token in (row.logprobs, row.token_versions, row.mixed):

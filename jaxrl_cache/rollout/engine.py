@@ -29,7 +29,7 @@ import numbers
 import operator
 import threading
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,11 @@ from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_params
-from jaxrl_cache.rollout import page_claims, retire, scheduler, text
+from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, SchedulerConfig, WeightAck
+from jaxrl_cache.rollout.types import (CacheConfig, EpisodeBatch, RolloutBatch,
+                                       SchedulerConfig, WeightAck)
 from jaxrl_cache.versioning import as_version
 from kernels_pallas._common import resolve_backend
 
@@ -55,6 +56,17 @@ class _Weights(NamedTuple):
     params: object  # resident copy on the engine's device (None before the first sync)
     source: tuple  # the caller's leaves they came from (identity checks)
     staged_seconds: float = 0.0  # time spent validating and copying them (sync_ack.seconds)
+
+
+class _Call(NamedTuple):
+    """What one rollout call generates: its first requests, and (episodes) the driver whose
+    environments add the next turns."""
+    sampling: SamplingParams
+    rng: jax.Array
+    requests: list  # scheduler.Request, in order
+    max_tokens: int  # the longest context + output a row may reach
+    finish: Callable  # (run, start, ack) -> the call's batch
+    driver: Callable | None = None  # () -> episodes.Driver, one per run
 
 
 def _same_leaves(tree, leaves) -> bool:
@@ -273,12 +285,43 @@ class RolloutEngine:
         version = as_version(version)
         prompts = text.encode_prompts(self.tokenizer, prompts, sampling)  # text
         prompts = self._check_request(prompts, sampling, rng)
+        n, max_new = sampling.n, sampling.max_new_tokens
+        requests = [scheduler.Request(g, g * n + j, p, max_new)
+                    for g, p in enumerate(prompts) for j in range(n)]
+        return self._run_call(params, version, _Call(sampling, rng, requests,
+                                                     max(map(len, prompts)) + max_new,
+                                                     retire.batch))
 
+    def rollout_episodes(self, params, version, tasks: Sequence, env_factory: Callable,
+                         sampling: SamplingParams, *, rng: jax.Array, max_turns: int = 4,
+                         max_episode_tokens: int | None = None,
+                         env_workers: int = 8) -> EpisodeBatch:
+        """sampling.n multi-turn episodes per task with the params of `version`
+        (rollout/episodes.py; the environment protocol is rollout/env.py).
+
+        env_factory(task) makes episode j of a task its environment. Each assistant turn
+        stops as a single-turn sample does (stop ids or strings, sampling.max_new_tokens);
+        its environment then answers on one of `env_workers` threads while the other rows
+        decode, and the next turn is admitted with the whole history as its context, served
+        from this version's prefix cache up to the new observation. An episode ends when its
+        environment says done, after max_turns turns, when its history would pass
+        max_episode_tokens (default: the model's max_seq_len), or with "error" when its
+        environment raised or gave an invalid observation. Versions and syncs as `rollout`;
+        in the asynchronous modes a next turn after a weight update re-prefills its history
+        under the new version. Episodes come back in task order, episode j of task g at
+        g * n + j.
+        """
+        version = as_version(version)
+        call = self._check_episodes(tasks, env_factory, sampling, rng, max_turns,
+                                    max_episode_tokens, env_workers)
+        return self._run_call(params, version, call)
+
+    def _run_call(self, params, version: int, call: _Call):
         if self.kv_policy == "wait":
-            return self._serialized(self._rollout, params, version, prompts, sampling, rng)
-        return self._rollout_async(params, version, prompts, sampling, rng)
+            return self._serialized(self._rollout, params, version, call)
+        return self._rollout_async(params, version, call)
 
-    def _rollout(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
+    def _rollout(self, params, version: int, call: _Call):
         """Synchronous mode: the whole call under the lock, committed at the end."""
         start = time.perf_counter()
         staged = self._stage(params, version)
@@ -286,63 +329,68 @@ class RolloutEngine:
         if staged is None and version != self._weights.version:
             raise VersionError(f"rollout at version {version} but the engine is at "
                                f"{self._weights.version}; versions only move forward")
-        run = self._new_run(weights, prompts, sampling, rng)
+        run = self._new_run(weights, call)
         try:
             while not run.done:
                 self._step(run)
         finally:
             self._end_run(run)
         ack = None if staged is None else self._commit(staged)
-        return retire.batch(run, start, ack)
+        return call.finish(run, start, ack)
 
-    def _rollout_async(self, params, version: int, prompts, sampling, rng) -> RolloutBatch:
+    def _rollout_async(self, params, version: int, call: _Call):
         """Asynchronous mode: the lock is taken per step (admit, prefill, one decode chunk),
         so a sync lands between chunks; `_commit` tells the run (`scheduler.Run.on_update`).
         A newer `version` is staged by `_start_run` and committed by `_finish_run`, which only the
         successful path reaches."""
         start = time.perf_counter()
         with self._call_lock:
-            run, staged = self._serialized(self._start_run, params, version, prompts,
-                                           sampling, rng)
+            run, staged = self._serialized(self._start_run, params, version, call)
             try:
                 while not run.done:
                     self._between_steps(run)
+                    run.await_work()  # environments think outside the lock
                     self._serialized(self._step, run)
             except BaseException:
                 self._serialized(self._end_run, run)
                 raise
             ack = self._serialized(self._finish_run, run, staged, start)
-        return retire.batch(run, start, ack)
+        return call.finish(run, start, ack)
 
-    def _start_run(self, params, version: int, prompts, sampling, rng
+    def _start_run(self, params, version: int, call: _Call
                    ) -> tuple[scheduler.Run, _Weights | None]:
         """The call's run at the committed version, or at a newer one staged for it (returned
         too; nothing committed)."""
         if self._active is not None:  # left by a call killed before its cleanup
             self._end_run(self._active)
         staged = self._stage(params, version)  # None: the committed version and params
-        self._active = self._new_run(staged or self._weights, prompts, sampling, rng)
+        self._active = self._new_run(staged or self._weights, call)
         return self._active, staged
 
-    def _new_run(self, weights: _Weights, prompts, sampling, rng) -> scheduler.Run:
+    def _new_run(self, weights: _Weights, call: _Call) -> scheduler.Run:
         cfg, sched = self.cache_config, self.scheduler_config
         return scheduler.Run(
-            weights, prompts, sampling, rng, cache=self.cache, page_size=cfg.page_size,
-            share=cfg.prefix_cache, num_slots=sched.max_num_seqs,
+            weights, call.requests, call.sampling, call.rng, cache=self.cache,
+            page_size=cfg.page_size, share=cfg.prefix_cache, num_slots=sched.max_num_seqs,
             max_prefill_tokens=sched.max_prefill_tokens, max_policy_lag=self.max_policy_lag,
-            key_of=self._cache_key,
-            text=None if self.tokenizer is None else text.RowText(self.tokenizer, sampling))
+            key_of=self._cache_key, max_tokens=call.max_tokens,
+            text=None if self.tokenizer is None else text.RowText(self.tokenizer,
+                                                                  call.sampling),
+            episodes=None if call.driver is None else call.driver())
 
     def _step(self, run: scheduler.Run) -> None:
         """One round of a call (engine lock held): admit (re-prefills of rows whose KV an
         update dropped first, then waiting samples), one packed prefill, one decode chunk."""
         if self._active is run and self._weights.version > run.weights.version:
             run.weights = self._weights  # a sync during the call moved past its version
+        run.await_work()
         claims = page_claims.Round(run)
         units = run.admit(claims)
         if units:
             self._runner.prefill(run, units)
             claims.publish(units)
+        elif run.idle:
+            return  # episodes: every episode left is with its environment, or ended
         elif all(r is None or r.resume for r in run.slots):
             raise AssertionError("scheduler made no progress")  # the pre-check forbids it
         slots, chunk = self._runner.decode(run)
@@ -372,15 +420,19 @@ class RolloutEngine:
             self.cache.clear()
             self._runner.kv = self._runner.fresh_pool()
 
-    def _check_request(self, prompts, sampling: SamplingParams, rng) -> list[tuple]:
+    def _check_sampling(self, sampling: SamplingParams, rng) -> None:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         _check_rng(rng)
-        vocab, limit = self.model_config.vocab_size, self.model_config.max_seq_len
+        vocab = self.model_config.vocab_size
         bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"sampling.stop_token_ids {bad_stops} are outside the vocabulary "
                              f"[0, {vocab})")
+
+    def _check_request(self, prompts, sampling: SamplingParams, rng) -> list[tuple]:
+        self._check_sampling(sampling, rng)
+        vocab, limit = self.model_config.vocab_size, self.model_config.max_seq_len
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of token-id sequences, got "
                             f"{type(prompts).__name__}")
@@ -413,6 +465,37 @@ class RolloutEngine:
                 f"max_new_tokens {sampling.max_new_tokens}, page_size {ps}) but the pool has "
                 f"only {usable}; use a larger CacheConfig.num_pages or shorter requests")
         return out
+
+    def _check_episodes(self, tasks, env_factory, sampling, rng, max_turns,
+                        max_episode_tokens, env_workers) -> _Call:
+        """rollout_episodes' arguments, checked before any work, as a _Call."""
+        self._check_sampling(sampling, rng)
+        text.encode_prompts(self.tokenizer, [], sampling)  # stop strings need a tokenizer
+        if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
+            raise TypeError(f"tasks must be a non-empty sequence, got {type(tasks).__name__}")
+        if not callable(env_factory):
+            raise TypeError(f"env_factory must be callable (task -> environment), got "
+                            f"{type(env_factory).__name__}")
+        limit = self.model_config.max_seq_len
+        max_turns = as_count(max_turns, "max_turns", minimum=1, maximum=2**16)
+        env_workers = as_count(env_workers, "env_workers", minimum=1, maximum=1024)
+        max_tokens = as_count(limit if max_episode_tokens is None else max_episode_tokens,
+                              "max_episode_tokens", minimum=2, maximum=limit)
+        ps, usable = self.cache_config.page_size, self.cache_config.num_pages - 1
+        need = scheduler.pages_for(max_tokens - 1, ps)
+        if need > usable:
+            raise CacheFullError(
+                f"one episode may need {need} KV pages (max_episode_tokens {max_tokens}, "
+                f"page_size {ps}) but the pool has only {usable}; use a larger "
+                f"CacheConfig.num_pages or a smaller max_episode_tokens")
+        tasks = list(tasks)
+
+        def driver():
+            return episodes.Driver(tasks, env_factory, sampling, tokenizer=self.tokenizer,
+                                   vocab_size=self.model_config.vocab_size,
+                                   max_turns=max_turns, max_tokens=max_tokens,
+                                   workers=env_workers)
+        return _Call(sampling, rng, [], max_tokens, episodes.batch, driver)
 
     def cache_stats(self) -> CacheStats:
         return self._serialized(self.cache.stats)

@@ -2,7 +2,8 @@
 
 An environment is created per episode from its task (`env_factory(task)`). `reset()` gives
 the first observation; after each assistant turn `step(text)` gets that turn's text (cut
-at the stop string or token that ended it, special tokens dropped) and returns an EnvStep.
+at the stop string or token that ended it, special tokens dropped; its token ids when the
+engine has no tokenizer) and returns an EnvStep.
 The environment, not the engine, parses tool calls out of the text.
 
 Observations are a str (encoded with the engine's tokenizer, no special tokens added), a

@@ -24,18 +24,19 @@ class Round:
         self.key = run.key
         self.pending: dict = {}  # page key -> (page, children): prompt pages being prefilled
 
-    def unit(self, g: int, j: int, rows: int, budget: int | None) -> scheduler.Unit | None:
-        """Up to `rows` samples of prompt g from sample j on (fewer if pages are short); None,
-        changing nothing, if not even one fits now or the prefill budget of this round is
-        spent (budget None: the round's first unit, always within budget)."""
-        run, prompt = self.run, self.run.prompts[g]
-        n_new = run.sampling.max_new_tokens
-        got = self._claim(g, prompt, rows, n_new, budget)
+    def unit(self, first: scheduler.Request, rows: int, budget: int | None
+             ) -> scheduler.Unit | None:
+        """Up to `rows` requests of first's group from `first` on, all with its prompt (fewer
+        if pages are short); None, changing nothing, if not even one fits now or the prefill
+        budget of this round is spent (budget None: the round's first unit, always within
+        budget)."""
+        run, g, prompt = self.run, first.group, first.prompt
+        got = self._claim(g, prompt, rows, first.max_new, budget)
         if got is None:
             return None
         matched, fresh, m = got
-        unit = scheduler.layout_unit(g, prompt, g * run.sampling.n + j, matched, fresh, m,
-                                     n_new, self.ps)
+        unit = scheduler.layout_unit(g, prompt, first.index, matched, fresh, m, first.max_new,
+                                     self.ps)
         prefix = unit.rows[0].pages[:len(prompt) // self.ps]
         if m > 1:  # every row holds one reference to each of its prefix pages
             self.cache.pool.incref(np.tile(prefix, m - 1))
@@ -46,12 +47,12 @@ class Round:
     def resume(self, row: scheduler.Row, budget: int | None) -> scheduler.Unit | None:
         """A one-row unit re-prefilling `row`'s context into a new table (None, changing
         nothing, if it does not fit now)."""
-        context, max_new = row.context, self.run.sampling.max_new_tokens
-        got = self._claim(row.group, context, 1, max_new - len(row.tokens), budget)
+        context = row.context
+        got = self._claim(row.group, context, 1, row.max_new - len(row.tokens), budget)
         if got is None:
             return None
         matched, fresh, _ = got
-        unit = scheduler.resume_unit(row, matched, fresh, max_new, self.ps)
+        unit = scheduler.resume_unit(row, matched, fresh, self.ps)
         if self.share:
             self._remember(self.run.packed_context(row.group, context),
                            row.pages[:len(context) // self.ps])

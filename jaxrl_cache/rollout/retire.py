@@ -22,7 +22,7 @@ def finish_rows(run: scheduler.Run, slots: list, done: list[int]) -> None:
 def retire(run: scheduler.Run, slot: int) -> None:
     """Caches the row's full pages under the version that wrote all of their KV (none if
     several did: kv_policy "keep", or if that version left the lag window), then drops its
-    references."""
+    references. An episode's turn then goes to its environment (episodes.Driver)."""
     row = run.slots[slot]
     single = len(row.kv_now) == 1  # not mixed ("keep" after an update)
     version = next(iter(row.kv_now)) if single else None
@@ -34,12 +34,15 @@ def retire(run: scheduler.Run, slot: int) -> None:
                          row.pages[:written.num_tokens // run.ps], release=row.pages)
     else:
         run.cache.release(row.pages)
+    if run.episodes is not None:
+        run.episodes.turn_done(row, tuple(row.tokens) if run.text is None
+                               else run.text.sample_text(row))
 
 
 def samples(run: scheduler.Run) -> list[Sample]:
     """Every sample of the call, in prompt order (sample j of prompt g at g * n + j)."""
     out = []
-    for r in (run.finished[i] for i in range(len(run.prompts) * run.sampling.n)):
+    for r in (run.finished[i] for i in sorted(run.finished)):
         versions = np.asarray(r.token_versions, np.int64)
         out.append(Sample(
             prompt_ids=r.prompt, output_ids=tuple(r.tokens),

@@ -89,7 +89,7 @@ class Runner:
         cfg = self.scheduler_config
         width = scheduler.slot_bucket(run.slots)
         slots = run.slots[:width] + [None] * (width - len(run.slots))
-        arrays = scheduler.pack_decode(slots, run.width, run.sampling.max_new_tokens)
+        arrays = scheduler.pack_decode(slots, run.width)
         refill_at = cfg.max_num_seqs + 1
         if run.waiting:
             refill_at = max(1, min(len(run.waiting), cfg.max_num_seqs // 4))

@@ -2,10 +2,11 @@
 layouts, packed arrays, and a call's queue and slots (`Run`: admission, resume, version
 stamping).
 
-A rollout call is a queue of samples (prompt g, sample j), in prompt order. Samples are
-admitted in order into a fixed number of decode slots as pages allow, a *unit* at a time:
-up to n consecutive samples of one prompt that share its prefill. Between decode chunks
-finished rows retire and waiting samples are admitted.
+A rollout call is a queue of requests (`Request`: sample j of prompt g, in prompt order; or
+an episode's next turn, rollout/episodes.py). Requests are admitted in order into a fixed
+number of decode slots as pages allow, a *unit* at a time: up to n consecutive samples of
+one prompt that share its prefill. Between decode chunks finished rows retire and waiting
+requests are admitted.
 
 Page policy: a sample's worst case (prompt + max_new_tokens - 1 positions) is reserved at
 admission, so a running row never waits for a page and nothing is preempted or recomputed.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -39,6 +40,14 @@ def row_pages(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
     return pages_for(prompt_len + max_new_tokens - 1, page_size)
 
 
+class Request(NamedTuple):
+    """One row to generate: `prompt` (its whole context) then up to `max_new` tokens."""
+    group: int  # prompt g of the call, or episode e (`Run.packed` is keyed by it)
+    index: int  # Row.index: its place in the output and its PRNG stream
+    prompt: tuple
+    max_new: int
+
+
 @dataclasses.dataclass
 class Row:
     """One sample in flight: its table, what it generated, and how it ended."""
@@ -47,6 +56,7 @@ class Row:
     prompt: tuple
     pages: np.ndarray  # int32 [n] every page of its table
     cached_tokens: int  # prompt tokens whose KV came from the radix cache
+    max_new: int  # tokens it may emit (the call's max_new_tokens, or an episode's budget)
     fresh: bool = True  # next token still to be drawn from the prefill logits
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
@@ -99,12 +109,11 @@ def layout_unit(group: int, prompt: tuple, first_index: int, matched: np.ndarray
     prefix = np.concatenate([matched, fresh[:shared]]).astype(np.int32)
     out = tuple(Row(index=first_index + j, group=group, prompt=prompt,
                     pages=np.concatenate([prefix, fresh[shared + j * own:shared + (j + 1) * own]]),
-                    cached_tokens=cached) for j in range(rows))
+                    cached_tokens=cached, max_new=max_new_tokens) for j in range(rows))
     return Unit(group=group, prompt=prompt, cached_tokens=cached, rows=out)
 
 
-def resume_unit(row: Row, matched: np.ndarray, fresh: np.ndarray, max_new_tokens: int,
-                page_size: int) -> Unit:
+def resume_unit(row: Row, matched: np.ndarray, fresh: np.ndarray, page_size: int) -> Unit:
     """A running row whose KV was dropped (kv_policy "recompute") as a one-row unit that
     re-prefills its context (prompt + tokens so far) into a new table; the row then draws
     its next token from that prefill's logits.
@@ -113,7 +122,7 @@ def resume_unit(row: Row, matched: np.ndarray, fresh: np.ndarray, max_new_tokens
     """
     context = row.context
     laid = layout_unit(row.group, context, row.index, matched, fresh, 1,
-                       max_new_tokens - len(row.tokens), page_size)
+                       row.max_new - len(row.tokens), page_size)
     row.pages, row.fresh, row.resume = laid.rows[0].pages, True, False
     return dataclasses.replace(laid, rows=(row,))
 
@@ -191,7 +200,7 @@ def slot_bucket(slots: list) -> int:
     return min(rows, max(len(slots), MIN_DECODE_ROWS))
 
 
-def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
+def pack_decode(slots: list, width: int) -> DecodeArrays:
     """slots: Row or None per decode slot."""
     b = len(slots)
     fresh = np.zeros(b, bool)
@@ -209,14 +218,14 @@ def pack_decode(slots: list, width: int, max_new_tokens: int) -> DecodeArrays:
         last[i] = row.tokens[-1] if n else 0
         pos[i] = len(row.prompt) + n - (0 if row.fresh else 1)
         table[i, :row.pages.size] = row.pages
-        budget[i] = max_new_tokens - n
+        budget[i] = row.max_new - n
         index[i] = row.index
         emitted[i] = n
     return DecodeArrays(fresh, last, pos, table, budget, index, emitted)
 
 
 def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
-                stopped: np.ndarray, max_new_tokens: int, version: int) -> list[int]:
+                stopped: np.ndarray, version: int) -> list[int]:
     """Appends a chunk's output to its rows; returns the slots whose rows finished.
 
     tokens int32 [B, k], logprobs f32 [B, k], counts int32 [B] tokens emitted this chunk,
@@ -239,7 +248,7 @@ def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: n
         row.fresh = row.fresh and n == 0
         if stopped[i]:
             row.finish_reason = "stop"
-        elif len(row.tokens) >= max_new_tokens:
+        elif len(row.tokens) >= row.max_new:
             row.finish_reason = "length"
         if row.finish_reason is not None:
             done.append(i)
@@ -264,25 +273,25 @@ class Run:
     `weights` (.version, .params) is what the call generates with now: admission stamps
     its version on every row's KV, `apply` on every token; in asynchronous mode the engine
     moves it forward between steps. `key_of` maps a version to its radix namespace (the
-    engine's `_cache_key`, the only place that mapping is written).
+    engine's `_cache_key`, the only place that mapping is written). max_tokens: the longest
+    context + output any row may reach (its page-table width). episodes: an
+    episodes.Driver whose environments add requests as turns finish (None: single-turn).
     """
 
-    def __init__(self, weights, prompts: list[tuple], sampling, rng, *, cache: RadixCache,
+    def __init__(self, weights, requests: list[Request], sampling, rng, *, cache: RadixCache,
                  page_size: int, share: bool, num_slots: int, max_prefill_tokens: int,
-                 max_policy_lag: int, key_of, text=None):
+                 max_policy_lag: int, key_of, max_tokens: int, text=None, episodes=None):
         self.weights, self.sampling, self.rng = weights, sampling, rng
         self.start_version = weights.version
         self.cache, self.ps, self.share, self.key_of = cache, page_size, share, key_of
         self.max_prefill_tokens, self.max_policy_lag = max_prefill_tokens, max_policy_lag
         self.slots: list = [None] * num_slots
         # Without sharing, each sample is a unit of its own (a baseline).
-        self.waiting = collections.deque((g, j) for g in range(len(prompts))
-                                         for j in range(sampling.n))
-        self.prompts = prompts
-        # each prompt packed once for the cache; a sample's sequences extend it
-        self.packed = [PackedTokens.of(p) for p in prompts] if share else None
-        self.width = page_width_bucket(max(
-            row_pages(len(p), sampling.max_new_tokens, page_size) for p in prompts))
+        self.waiting: collections.deque = collections.deque()
+        self.packed: dict[int, PackedTokens] = {}  # group -> its latest context, packed
+        self.episodes = episodes
+        self._enqueue(requests)
+        self.width = page_width_bucket(pages_for(max_tokens - 1, page_size))
         self.finished: dict[int, Row] = {}
         self.computed = self.steps = self.chunks = self.prefills = 0
         self.recomputed = 0  # context tokens re-prefilled after weight updates
@@ -300,15 +309,36 @@ class Run:
         return self.key_of(self.weights.version)
 
     def packed_context(self, group: int, tokens: Sequence[int]) -> PackedTokens:
-        """tokens (prompt `group`, then outputs) in the cache's form: only what follows the
-        prompt is converted."""
+        """tokens (group's latest context, then outputs) in the cache's form: only what
+        follows that context is converted."""
         packed = self.packed[group]
         n = packed.num_tokens
         return packed if len(tokens) == n else packed.extend(tokens[n:])
 
+    def _enqueue(self, requests) -> None:
+        """Queues requests; a group's context is packed once, a later one (an episode's
+        next turn) extends the previous."""
+        for r in requests:
+            if self.share:
+                known = r.group in self.packed
+                self.packed[r.group] = (self.packed_context(r.group, r.prompt) if known
+                                        else PackedTokens.of(r.prompt))
+            self.waiting.append(r)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no row in a slot."""
+        return not self.waiting and all(r is None for r in self.slots)
+
     @property
     def done(self) -> bool:
-        return not self.waiting and all(r is None for r in self.slots)
+        return self.idle and (self.episodes is None or not self.episodes.pending)
+
+    def await_work(self) -> None:
+        """Episodes: while only environments are working, waits until one has answered
+        (`admit` queues what the answers lead to)."""
+        if self.episodes is not None and self.idle and self.episodes.pending:
+            self.episodes.wait()
 
     def on_update(self, version: int, drop_kv: bool) -> int:
         """A weight sync to `version` landed between two steps. drop_kv (kv_policy
@@ -337,6 +367,8 @@ class Run:
         Returns (unit, slot of each of its rows) pairs."""
         units, budget = [], self.max_prefill_tokens
         version = self.weights.version
+        if self.episodes is not None:  # environments that answered: their next turns
+            self._enqueue(self.episodes.ready())
         for slot, row in enumerate(self.slots):
             if row is None or not row.resume:
                 continue
@@ -350,13 +382,12 @@ class Run:
             self.recomputed += unit.new_tokens
         free = [i for i, r in enumerate(self.slots) if r is None]
         while self.waiting and free and budget > 0:
-            g, j = self.waiting[0]
-            rows = 1
+            first, rows = self.waiting[0], 1
             if self.share:
                 while (rows < len(free) and rows < len(self.waiting)
-                       and self.waiting[rows][0] == g):
+                       and self.waiting[rows].group == first.group):
                     rows += 1
-            unit = claims.unit(g, j, rows, budget if units else None)
+            unit = claims.unit(first, rows, budget if units else None)
             if unit is None:
                 break
             for row in unit.rows:
@@ -372,12 +403,14 @@ class Run:
 
     def apply(self, slots: list, tokens, logprobs, counts, stopped) -> list[int]:
         """A decode chunk's output (see apply_chunk) stamped with the run's version."""
-        return apply_chunk(slots, tokens, logprobs, counts, stopped,
-                           self.sampling.max_new_tokens, self.weights.version)
+        return apply_chunk(slots, tokens, logprobs, counts, stopped, self.weights.version)
 
     def release_all(self) -> None:
-        """On the way out (success or failure): drop every reference a running row holds."""
+        """On the way out (success or failure): drop every reference a running row holds;
+        environments still working are left to finish on their threads."""
         for i, row in enumerate(self.slots):
             if row is not None:
                 self.slots[i] = None
                 self.cache.release(row.pages)
+        if self.episodes is not None:
+            self.episodes.close()

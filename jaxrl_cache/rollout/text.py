@@ -45,7 +45,7 @@ def check_tokenizer(tokenizer, config: ModelConfig) -> Tokenizer | None:
     return tokenizer
 
 
-def _is_messages(prompt) -> bool:
+def is_messages(prompt) -> bool:
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
             and all(isinstance(m, dict) for m in prompt))
 
@@ -67,7 +67,7 @@ def _check_messages(i: int, messages) -> None:
                             f"{content!r:.80}")
 
 
-def _render_chat(tokenizer: Tokenizer, i: int, messages) -> list[int]:
+def render_chat(tokenizer: Tokenizer, i: int, messages) -> list[int]:
     """The ids of chat prompt `i`; a template that fails on it (e.g. one that concatenates
     content parts as text) raises ValueError naming the prompt."""
     if not tokenizer.chat_template:
@@ -106,14 +106,14 @@ def encode_prompts(tokenizer: Tokenizer | None, prompts, sampling) -> Sequence:
     out = []
     for i, p in enumerate(prompts):
         text = isinstance(p, str)
-        if (text or _is_messages(p)) and tokenizer is None:
+        if (text or is_messages(p)) and tokenizer is None:
             raise TypeError(f"prompt {i} is {'text' if text else 'chat messages'}: pass "
                             f"tokenizer= to RolloutEngine, or token ids")
         if text:
             p = tokenizer.encode(p)
-        elif _is_messages(p):
+        elif is_messages(p):
             _check_messages(i, p)
-            p = _render_chat(tokenizer, i, p)
+            p = render_chat(tokenizer, i, p)
         out.append(p)
     return out
 

@@ -1,0 +1,238 @@
+"""Multi-turn episodes inside one rollout call: environments on worker threads, turns as
+scheduler requests, and the Episode records.
+
+Each episode is scheduler group e (its own prefix chain). Its environment is made and
+reset on a worker thread; the first observation becomes turn 0's request. When a turn's row
+retires (retire.py) the row's KV is already in the version's trie, and `turn_done` hands
+the turn's text to the environment on a worker thread; the decode loop goes on with the
+other rows. `ready` (the engine's host thread, between steps) turns the answers into the
+next turns' requests: context = the whole history (first observation, turns,
+observations), so only the new observation and the partial last page are prefilled when
+the version did not change. Turn t of episode e is Row.index e * max_turns + t (its PRNG
+stream).
+
+Token records: turn tokens carry their row's log-probs, versions and mixed flags;
+observation tokens are masked out (loss_mask False, log-prob 0) and carry the version of
+the last sampled token before them. Which environment answers first decides the order in
+which turns are admitted, so batching (not the distributions sampled) may differ between
+runs with slow environments.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import numbers
+import queue
+import time
+
+import numpy as np
+
+from jaxrl_cache.rollout import scheduler, text
+from jaxrl_cache.rollout.env import EnvStep
+from jaxrl_cache.rollout.types import Episode, EpisodeBatch, WeightAck
+
+
+@dataclasses.dataclass
+class _State:
+    """One episode's host record while it runs."""
+    index: int
+    group: int
+    task: object
+    env: object = None
+    prompt: tuple = ()
+    history: list = dataclasses.field(default_factory=list)  # every token so far
+    tokens: list = dataclasses.field(default_factory=list)  # history after the prompt
+    mask: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    mixed: list = dataclasses.field(default_factory=list)
+    turns: list = dataclasses.field(default_factory=list)
+    texts: list = dataclasses.field(default_factory=list)
+    rewards: list = dataclasses.field(default_factory=list)
+    kv_versions: set = dataclasses.field(default_factory=set)
+    cached: int = 0
+    seen: int = 0  # history tokens the last turn's row had seen (its context + output)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Driver:
+    """The episodes of one rollout call (scheduler.Run.episodes). `pending` counts
+    environment calls not yet collected by `ready`."""
+
+    def __init__(self, tasks: list, env_factory, sampling, *, tokenizer, vocab_size: int,
+                 max_turns: int, max_tokens: int, workers: int):
+        self.env_factory, self.tokenizer, self.vocab = env_factory, tokenizer, vocab_size
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.max_new = sampling.max_new_tokens
+        self.states = [_State(g * sampling.n + j, g, task) for g, task in enumerate(tasks)
+                       for j in range(sampling.n)]
+        self.history_tokens = self.history_cached = self.recomputed = 0
+        self.env_steps, self.env_seconds = 0, 0.0
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "env")
+        self.pending = 0
+        for e in range(len(self.states)):
+            self._submit(e, self._reset, self.states[e].task)
+
+    # ------------------------------------------------------------ worker threads
+    def _submit(self, e: int, fn, *args) -> None:
+        self.pending += 1
+        future = self._pool.submit(_timed, fn, *args)
+        future.add_done_callback(lambda f: self._answers.put((e, f)))
+
+    def _reset(self, task):
+        env = self.env_factory(task)
+        return env, env.reset()
+
+    # ------------------------------------------------------------ host thread
+    def wait(self) -> None:
+        """Blocks until an environment answered (signals still land: short waits)."""
+        while self._answers.empty():
+            time.sleep(0.002)
+
+    def ready(self) -> list[scheduler.Request]:
+        """Collects every answer so far; the next turns' requests, in arrival order."""
+        out = []
+        while True:
+            try:
+                e, future = self._answers.get_nowait()
+            except queue.Empty:
+                return out
+            self.pending -= 1
+            st = self.states[e]
+            try:
+                value, seconds = future.result()
+                self.env_seconds += seconds
+                request = self._first(e, st, value) if st.env is None else \
+                    self._next(e, st, value)
+            except Exception as exc:  # the environment's (or its observation's) fault
+                st.finish_reason, st.error = "error", f"{type(exc).__name__}: {exc}"[:500]
+                continue
+            if request is not None:
+                out.append(request)
+
+    def _first(self, e: int, st: _State, value) -> scheduler.Request | None:
+        st.env, observation = value
+        if text.is_messages(observation):
+            if self.tokenizer is None:
+                raise TypeError("the first observation is chat messages: the engine needs "
+                                "a tokenizer")
+            ids = text.render_chat(self.tokenizer, e, observation)
+        else:
+            ids = self._encode(observation, first=True)
+        if not ids:
+            raise ValueError("the first observation is empty")
+        st.prompt, st.history = tuple(ids), list(ids)
+        return self._request(e, st)
+
+    def _next(self, e: int, st: _State, value) -> scheduler.Request | None:
+        self.env_steps += 1
+        if not isinstance(value, EnvStep):
+            raise TypeError(f"step() must return an EnvStep, got {type(value).__name__}")
+        if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or \
+                not math.isfinite(value.reward):
+            raise ValueError(f"reward must be a finite number, got {value.reward!r:.80}")
+        st.rewards.append(float(value.reward))
+        if value.done or value.observation is None:
+            st.finish_reason = "done"
+            return None
+        if len(st.turns) >= self.max_turns:
+            st.finish_reason = "max_turns"
+            return None
+        ids = self._encode(value.observation, first=False)
+        if len(st.history) + len(ids) + 1 > self.max_tokens:
+            st.finish_reason = "token_budget"
+            return None
+        version = st.versions[-1]
+        st.history += ids
+        st.tokens += ids
+        st.mask += [False] * len(ids)
+        st.logprobs += [0.0] * len(ids)
+        st.versions += [version] * len(ids)
+        st.mixed += [False] * len(ids)
+        return self._request(e, st)
+
+    def _encode(self, observation, *, first: bool) -> list[int]:
+        if isinstance(observation, str):
+            if self.tokenizer is None:
+                raise TypeError("a text observation needs an engine with a tokenizer")
+            return self.tokenizer.encode(observation, add_special_tokens=first)
+        if isinstance(observation, (bytes, dict)) or not hasattr(observation, "__len__"):
+            raise TypeError(f"an observation must be text or token ids, got "
+                            f"{type(observation).__name__}")
+        ids = [int(t) for t in observation]
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)
+               for t in observation) or any(not 0 <= t < self.vocab for t in ids):
+            raise ValueError(f"observation token ids must be integers in [0, {self.vocab})")
+        return ids
+
+    def _request(self, e: int, st: _State) -> scheduler.Request | None:
+        room = self.max_tokens - len(st.history)
+        if room < 1:
+            st.finish_reason = "token_budget"
+            return None
+        return scheduler.Request(e, e * self.max_turns + len(st.turns), tuple(st.history),
+                                 min(self.max_new, room))
+
+    def turn_done(self, row: scheduler.Row, turn_text) -> None:
+        """A turn's row retired (its KV is cached): record it, ask its environment."""
+        st = self.states[row.group]
+        if st.turns:  # what the previous turn had seen came from the cache, or not
+            served = min(row.cached_tokens, st.seen)
+            self.history_tokens += st.seen
+            self.history_cached += served
+            if row.token_versions and row.token_versions[0] != st.versions[-1]:
+                self.recomputed += st.seen - served  # a weight update between turns
+        start = len(st.tokens)
+        st.tokens += row.tokens
+        st.history += row.tokens
+        st.mask += [True] * len(row.tokens)
+        st.logprobs += row.logprobs
+        st.versions += row.token_versions
+        st.mixed += row.mixed
+        st.turns.append((start, len(st.tokens)))
+        st.texts.append(turn_text if isinstance(turn_text, str) else "")
+        st.kv_versions |= row.kv_versions
+        st.cached += row.cached_tokens
+        st.seen = len(st.history)
+        self._submit(row.group, st.env.step, turn_text)
+
+    def close(self) -> None:
+        """Lets worker threads finish on their own; queued environment calls are dropped."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def episodes(self) -> list[Episode]:
+        out = []
+        for st in self.states:
+            mixed = np.asarray(st.mixed, bool)
+            out.append(Episode(
+                index=st.index, group=st.group, prompt_ids=st.prompt,
+                token_ids=tuple(st.tokens), loss_mask=np.asarray(st.mask, bool),
+                logprobs=np.asarray(st.logprobs, np.float32),
+                token_versions=np.asarray(st.versions, np.int64), turns=tuple(st.turns),
+                turn_texts=tuple(st.texts), rewards=tuple(st.rewards),
+                finish_reason=st.finish_reason, cached_tokens=st.cached,
+                kv_versions=tuple(sorted(st.kv_versions)),
+                mixed_tokens=mixed if mixed.any() else None, error=st.error))
+        return out
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
+
+
+def batch(run: scheduler.Run, start: float, ack: WeightAck | None) -> EpisodeBatch:
+    """The finished call's episodes; start: its perf_counter start; ack: the sync it
+    committed."""
+    d = run.episodes
+    return EpisodeBatch(
+        episodes=d.episodes(), version=run.start_version, sampling=run.sampling,
+        prefill_tokens=run.computed, cached_tokens=sum(st.cached for st in d.states),
+        history_tokens=d.history_tokens, history_cached=d.history_cached,
+        decode_steps=run.steps, decode_chunks=run.chunks, prefill_launches=run.prefills,
+        env_steps=d.env_steps, env_seconds=d.env_seconds,
+        seconds=time.perf_counter() - start, sync_ack=ack,
+        recomputed_tokens=run.recomputed + d.recomputed, weight_updates=run.updates)
