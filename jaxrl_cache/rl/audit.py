@@ -1,5 +1,6 @@
-"""Attribution audit: recompute each output token's behavior logprob teacher-forced with the
-params of the version that claims to have sampled it."""
+"""Attribution audit: recompute each sampled token's behavior logprob teacher-forced with the
+params of the version that claims to have sampled it (an episode's observation tokens are
+context, never checked)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +9,10 @@ from typing import Mapping
 import numpy as np
 
 from jaxrl_cache.checks import as_real
-from jaxrl_cache.rollout.types import RolloutBatch
+from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
-from jaxrl_cache.rl.train import sample_token_versions
+from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions
 from jaxrl_cache.shapes import bucket
 
 
@@ -20,13 +21,15 @@ class AuditReport:
     ok: bool
     max_abs_diff: float  # over checked tokens
     num_samples: int
-    num_tokens: int  # output tokens of the batch = checked + mixed + those of missing versions
+    num_tokens: int  # sampled output tokens of the batch (Sample.loss_mask; observation
+    #                  tokens excluded) = checked + mixed + those of missing versions
     flagged: tuple  # indices of samples with a checked token that does not match its version,
     #                 or a token whose version has no params
     missing_versions: tuple  # token versions (of tokens to check) with no params supplied
     tolerance: float
     num_checked_tokens: int  # tokens recomputed and compared
-    num_mixed_tokens: int  # tokens that attended KV of another version: reported, not checked
+    num_mixed_tokens: int  # sampled tokens that attended KV of another version: reported,
+    #                        not checked
     first_bad_token: tuple  # (sample, token index) of the first failing token per flagged sample
     mixed_tokens: tuple  # (sample, (token indices...)) for each sample with mixed tokens
 
@@ -52,9 +55,13 @@ def _mixed(sample, index: int) -> np.ndarray:
     return mixed
 
 
-def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: ModelConfig, *,
-                      tolerance: float = 2e-3) -> AuditReport:
-    """Checks invariant 2 for every output token of `batch`.
+def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dict,
+                      config: ModelConfig, *, tolerance: float = 2e-3) -> AuditReport:
+    """Checks invariant 2 for every sampled output token of `batch`.
+
+    An EpisodeBatch is audited through its samples (one per episode): every sampled token of
+    every turn under its own version, the observation tokens (loss_mask False) seen as
+    context only: neither checked, nor counted, nor able to flag a sample or a version.
 
     Token t of a sample is scored with params_by_version[token_versions[t]] and the batch's
     sampling distribution, teacher-forced over the whole sequence: one dense pass per version
@@ -65,32 +72,36 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
     than `tolerance` or one of its tokens to check has a version without params. In the
     synchronous case (all tokens of a sample at its behavior version) this is one pass per
     behavior version. tolerance must be finite and >= 0 (a NaN tolerance would pass every
-    sample). A sample whose token_versions or mixed_tokens has the wrong shape or type is a
-    ValueError naming it.
+    sample). A sample whose token_versions, mixed_tokens or loss_mask has the wrong shape or
+    type is a ValueError naming it.
     """
-    if not isinstance(batch, RolloutBatch):
-        raise TypeError(f"batch must be a RolloutBatch, got {type(batch).__name__}")
+    if not isinstance(batch, (RolloutBatch, EpisodeBatch)):
+        raise TypeError(f"batch must be a RolloutBatch or an EpisodeBatch, got "
+                        f"{type(batch).__name__}")
     if not isinstance(params_by_version, Mapping):
         raise TypeError(f"params_by_version must be a mapping version -> params, got "
                         f"{type(params_by_version).__name__}")
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     tolerance = as_real(tolerance, "tolerance", minimum=0.0)
-    versions = [sample_token_versions(s, i) for i, s in enumerate(batch.samples)]
-    mixed = [_mixed(s, i) for i, s in enumerate(batch.samples)]
+    all_samples = batch.samples  # EpisodeBatch.samples builds them: once
+    versions = [sample_token_versions(s, i) for i, s in enumerate(all_samples)]
+    sampled = [sample_loss_mask(s, i) for i, s in enumerate(all_samples)]
+    mixed = [_mixed(s, i) & m for i, (s, m) in enumerate(zip(all_samples, sampled))]
     by_version: dict[int, list[int]] = {}  # version -> samples with tokens of it to check
-    for i, (v, m) in enumerate(zip(versions, mixed)):
-        for version in np.unique(v[~m]):
+    for i, (v, m, on) in enumerate(zip(versions, mixed, sampled)):
+        for version in np.unique(v[on & ~m]):
             by_version.setdefault(int(version), []).append(i)
     first_bad: dict[int, int] = {}
     missing, worst, checked = set(), 0.0, 0
     for version, idx in sorted(by_version.items()):
-        todo = [(versions[i] == version) & ~mixed[i] for i in idx]  # [len(output_ids)] each
+        todo = [(versions[i] == version) & sampled[i] & ~mixed[i]
+                for i in idx]  # bool [len(output_ids)] each
         if version not in params_by_version:
             missing.add(version)
             bad = [(i, int(np.argmax(sel))) for i, sel in zip(idx, todo)]
         else:
-            samples = [batch.samples[i] for i in idx]
+            samples = [all_samples[i] for i in idx]
             logp = np.asarray(next_token_log_probs(params_by_version[version], config,
                                                    _rows(samples), batch.sampling))
             bad = []
@@ -105,8 +116,8 @@ def audit_attribution(batch: RolloutBatch, params_by_version: dict, config: Mode
         for i, t in bad:
             first_bad[i] = min(t, first_bad.get(i, t))
     return AuditReport(
-        ok=not first_bad, max_abs_diff=worst, num_samples=len(batch.samples),
-        num_tokens=sum(len(v) for v in versions), flagged=tuple(sorted(first_bad)),
+        ok=not first_bad, max_abs_diff=worst, num_samples=len(all_samples),
+        num_tokens=int(sum(m.sum() for m in sampled)), flagged=tuple(sorted(first_bad)),
         missing_versions=tuple(sorted(missing)), tolerance=tolerance,
         num_checked_tokens=checked, num_mixed_tokens=int(sum(m.sum() for m in mixed)),
         first_bad_token=tuple(sorted(first_bad.items())),

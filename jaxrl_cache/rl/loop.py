@@ -10,6 +10,10 @@ once, with the seconds of each phase.
 Policy history: the params of every version a sample in flight may still hold tokens of
 (the lag window) are kept for the audit; older ones are released. Donating the trainer's
 buffers (`TrainConfig.donate`) is refused when the window keeps old versions alive.
+
+Multi-turn: a call may be an EpisodeBatch (`RolloutEngine.rollout_episodes`); its episodes
+are rewarded (by default with their environment's return), audited on their sampled tokens
+and trained on those only (`make_batch`), and the record gains episode counters.
 """
 from __future__ import annotations
 
@@ -24,14 +28,15 @@ import numpy as np
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages, make_batch,
                                   train_step)
-from jaxrl_cache.rollout.types import RolloutBatch, WeightAck
+from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
 from jaxrl_cache.rollout.worker import RolloutWorker, SampleBuffer
 
 
 class Rollouts(Protocol):
     """Where a step's rollout calls come from, and where new params go."""
 
-    def get(self, step: int, state: TrainState) -> list[tuple[object, RolloutBatch]]:
+    def get(self, step: int, state: TrainState) -> list[tuple[object,
+                                                              RolloutBatch | EpisodeBatch]]:
         """[(meta, batch)] of this step's calls (meta: what the prompt source returned)."""
 
     def publish(self, state: TrainState) -> WeightAck: ...
@@ -111,15 +116,43 @@ class PolicyHistory:
 class StepResult:
     state: TrainState
     record: dict  # host numbers: the metrics row of the step
-    texts: list  # [(meta, sample, text)] of every sample, in batch order
+    texts: list  # [(meta, sample, text)] of every sample (an Episode for an episode call,
+    #              text its turns' texts joined), in batch order
     ack: WeightAck
 
 
-def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable, *,
+def _items(meta, batch, decode: Callable) -> list[tuple]:
+    """[(meta, sample, text)] of a call: its samples, or its Episodes with their turns' text."""
+    if isinstance(batch, EpisodeBatch):
+        return [(meta, e, "".join(e.turn_texts)) for e in batch.episodes]
+    return [(meta, s, s.text if s.text is not None else decode(s.output_ids))
+            for s in batch.samples]
+
+
+def _episode_counters(batches: list) -> dict:
+    """Record fields of a step with episode calls: counts over their episodes."""
+    episodes = [e for b in batches if isinstance(b, EpisodeBatch) for e in b.episodes]
+    return dict(episodes=len(episodes),
+                turns_mean=float(np.mean([len(e.turns) for e in episodes])),
+                env_errors=sum(e.finish_reason == "error" for e in episodes),
+                env_steps=sum(b.env_steps for b in batches if isinstance(b, EpisodeBatch)),
+                env_seconds=sum(b.env_seconds for b in batches if isinstance(b, EpisodeBatch)))
+
+
+def _context_tokens(batch) -> int:
+    """Context tokens a call attended to: its prompts, or every turn's context (episodes)."""
+    if isinstance(batch, EpisodeBatch):
+        return batch.prefill_tokens + batch.cached_tokens
+    return batch.prompt_tokens
+
+
+def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable | None, *,
               decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
               advantages: Callable = group_advantages, audit_samples: int | None = None,
               ref_params=None, max_policy_lag: int | None = None, mesh=None) -> StepResult:
-    """One GRPO step (see the module doc). reward(meta, sample, text) -> float;
+    """One GRPO step (see the module doc). reward(meta, sample, text) -> float (for an
+    episode call: reward(meta, episode, its turns' text joined)); None: every call must be
+    an EpisodeBatch and each episode's return (Episode.reward) is its reward.
     decode(token ids) -> str (used when a sample has no text of its own); history holds the
     current version's params on entry and gets the new version's. audit_samples: audit
     the first k samples of each call (None: all). max_policy_lag: train_step's staleness
@@ -132,17 +165,21 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     t0 = time.perf_counter()
     parts = rollouts.get(step, state)
     t1 = time.perf_counter()
-    texts, rewards = [], []
-    for meta, batch in parts:
-        for s in batch.samples:
-            text = s.text if s.text is not None else decode(s.output_ids)
-            texts.append((meta, s, text))
-            rewards.append(float(reward(meta, s, text)))
+    if reward is None and not all(isinstance(b, EpisodeBatch) for _, b in parts):
+        raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
+                         "call has no reward of its own")
+    texts = [item for meta, batch in parts for item in _items(meta, batch, decode)]
+    rewards = [float(s.reward) if reward is None else float(reward(meta, s, text))
+               for meta, s, text in texts]
     t2 = time.perf_counter()
     audited = flagged = checked = mixed = 0
     for _, batch in parts:
-        subset = batch if audit_samples is None else dataclasses.replace(
-            batch, samples=batch.samples[:audit_samples])
+        if audit_samples is None:
+            subset = batch
+        elif isinstance(batch, EpisodeBatch):
+            subset = dataclasses.replace(batch, episodes=batch.episodes[:audit_samples])
+        else:
+            subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
         report = audit_attribution(subset, history.params, state.config)
         audited += report.num_samples
         flagged += len(report.flagged)
@@ -164,7 +201,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.params)
     batches = [b for _, b in parts]
-    prompt = sum(b.prompt_tokens for b in batches)
+    context = sum(_context_tokens(b) for b in batches)
     record = dict(
         step=step, version=version, next_version=ack.version,
         reward=float(np.mean(rewards)), samples=len(rewards),
@@ -172,14 +209,17 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         grad_norm=float(metrics["grad_norm"]), clip_fraction=float(metrics["clip_fraction"]),
         kl=float(metrics["kl"]), staleness_max=int(metrics["staleness_max"]),
         updates=int(metrics["updates"]),
-        generated_tokens=sum(b.generated_tokens for b in batches), prompt_tokens=prompt,
+        generated_tokens=sum(b.generated_tokens for b in batches),
+        prompt_tokens=sum(b.prompt_tokens for b in batches),
         cached_tokens=sum(b.cached_tokens for b in batches),
         reused_tokens=sum(b.reused_tokens for b in batches),
-        cache_hit_rate=sum(b.cached_tokens for b in batches) / max(prompt, 1),
-        prefill_saved=sum(b.reused_tokens for b in batches) / max(prompt, 1),
+        cache_hit_rate=sum(b.cached_tokens for b in batches) / max(context, 1),
+        prefill_saved=sum(b.reused_tokens for b in batches) / max(context, 1),
         audited_samples=audited, audit_checked_tokens=checked, audit_failed=flagged,
         mixed_tokens=mixed, recomputed_tokens=sum(b.recomputed_tokens for b in batches),
         invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
         rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
         train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
+    if any(isinstance(b, EpisodeBatch) for b in batches):
+        record.update(_episode_counters(batches))
     return StepResult(new_state, record, texts, ack)

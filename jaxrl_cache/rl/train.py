@@ -14,6 +14,9 @@ one jitted scan (no host round trip), log-probs come chunked (rl/logprobs.py: ne
 [N, L, V] logits) and the layer scan is rematerialised (`remat`). The loss of a mini-batch is
 the sum over its sampled tokens of weight x token loss, the weights set on the host by
 `loss_type` over the whole mini-batch, so the update does not depend on the budget.
+Multi-turn episodes (EpisodeBatch) train the same way: their observation tokens
+(Sample.loss_mask False) get weight 0, so they are context only, never in a loss, a
+normaliser, a ratio statistic or a staleness.
 
 Numbers: versions stay in the int32 range (`versioning.MAX_VERSION`); a step that would pass
 it is refused. Non-finite rewards, behavior logprobs, clip parameters or negative /
@@ -54,7 +57,7 @@ from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
 from jaxrl_cache.rl.packing import MAX_ROW, PackedBatch, balanced_parts, pack
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import RolloutBatch
+from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
 from jaxrl_cache.versioning import MAX_VERSION, as_version
 
 CORRECTIONS = ("none", "decoupled")
@@ -121,6 +124,19 @@ def group_advantages_no_std(rewards: np.ndarray, groups: np.ndarray) -> np.ndarr
         idx = groups == g
         out[idx] = rewards[idx] - rewards[idx].mean()
     return out.astype(np.float32)
+
+
+def sample_loss_mask(sample, index: int) -> np.ndarray:
+    """Sample.loss_mask as bool [len(output_ids)] (None = every output token sampled),
+    checked (ValueError naming the sample)."""
+    n = len(sample.output_ids)
+    if sample.loss_mask is None:
+        return np.ones(n, bool)
+    mask = np.asarray(sample.loss_mask)
+    if mask.shape != (n,) or mask.dtype != np.bool_:
+        raise ValueError(f"sample {index}: loss_mask must be None or bool [{n}], got "
+                         f"{mask.dtype}{list(mask.shape)}")
+    return mask
 
 
 def sample_token_versions(sample, index: int) -> np.ndarray:
@@ -215,13 +231,16 @@ class TrainBatch:
 
     Per sample i: sequences[i] int32 [L_i] prompt + output; prompt_lengths[i];
     behavior_logprobs[i] f32 [O_i] and token_versions[i] int64 [O_i] of its output tokens;
-    advantages[i]; behavior_version[i] its oldest token version (staleness is measured from
-    it). All samples share one sampling setting (the distribution the loss scores).
+    loss_masks[i] bool [O_i], True on the tokens the policy sampled (the only ones trained
+    on; at least one per sample; behavior_logprobs is 0 elsewhere); advantages[i];
+    behavior_version[i] its oldest sampled token's version (staleness is measured from it).
+    All samples share one sampling setting (the distribution the loss scores).
     """
     sequences: tuple
     prompt_lengths: np.ndarray  # int64 [N]
     behavior_logprobs: tuple
     token_versions: tuple
+    loss_masks: tuple
     advantages: np.ndarray  # f32 [N]
     behavior_version: np.ndarray  # int64 [N]
     sampling: SamplingParams
@@ -235,33 +254,40 @@ class TrainBatch:
         return sum(len(s) for s in self.sequences)
 
 
-def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
+def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | EpisodeBatch],
+               rewards, *,
                advantages: Callable = group_advantages) -> TrainBatch:
-    """Samples of one or more rollout batches + scalar rewards [N] -> a TrainBatch.
+    """Samples of one or more rollout / episode batches + scalar rewards [N] -> a TrainBatch.
 
-    Groups (for advantages) are the n samples of one prompt of one rollout call; advantages
-    (rewards f64 [N], groups int [N]) -> f32 [N] is GRPO's group normalisation by default
+    An EpisodeBatch contributes one sample per episode (EpisodeBatch.samples: the first
+    observation as prompt, every later token as output, its loss_mask marking the sampled
+    ones); batches of both kinds may be mixed. Groups (for advantages) are the n samples of
+    one prompt of one call (for episodes: the episodes of one task); advantages (rewards
+    f64 [N], groups int [N]) -> f32 [N] is GRPO's group normalisation by default
     (`group_advantages_no_std`: Dr. GRPO's). All batches must share sampling parameters.
-    Per-token versions come from Sample.token_versions.
+    Per-token versions come from Sample.token_versions; behavior_version is the oldest
+    sampled token's. A sample whose loss_mask is misshapen or has no True entry is a
+    ValueError naming it; behavior logprobs are checked (finite) on sampled tokens only.
     """
-    if isinstance(rollouts, RolloutBatch):
+    kinds = (RolloutBatch, EpisodeBatch)
+    if isinstance(rollouts, kinds):
         batches = [rollouts]
-    elif isinstance(rollouts, (list, tuple)) and all(isinstance(b, RolloutBatch)
-                                                     for b in rollouts):
+    elif isinstance(rollouts, (list, tuple)) and all(isinstance(b, kinds) for b in rollouts):
         batches = list(rollouts)
     else:
-        raise TypeError(f"rollouts must be a RolloutBatch or a list of them, got "
-                        f"{type(rollouts).__name__}")
+        raise TypeError(f"rollouts must be a RolloutBatch or an EpisodeBatch, or a list of "
+                        f"them, got {type(rollouts).__name__}")
     if not batches:
         raise ValueError("make_batch needs at least one rollout batch")
-    empty = [k for k, b in enumerate(batches) if not b.samples]
+    per_batch = [b.samples for b in batches]  # EpisodeBatch.samples builds them: once
+    empty = [k for k, s in enumerate(per_batch) if not s]
     if empty:
         raise ValueError(f"rollouts: batch {empty[0]} has no samples")
     sp = batches[0].sampling
     if any(b.sampling != sp for b in batches):
         raise ValueError("all rollout batches of a training batch must share SamplingParams")
-    samples = [s for b in batches for s in b.samples]
-    groups = np.array([(k << 32) + s.group for k, b in enumerate(batches) for s in b.samples])
+    samples = [s for b in per_batch for s in b]
+    groups = np.array([(k << 32) + s.group for k, b in enumerate(per_batch) for s in b])
     try:
         rewards = np.asarray(rewards, np.float32)
     except (TypeError, ValueError):
@@ -273,36 +299,44 @@ def make_batch(rollouts: RolloutBatch | Sequence[RolloutBatch], rewards, *,
         bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
         raise ValueError(f"rewards must be finite, got rewards[{bad}] = {rewards[bad]}")
     versions = [sample_token_versions(s, i) for i, s in enumerate(samples)]
+    masks = [sample_loss_mask(s, i) for i, s in enumerate(samples)]
     behavior = []
-    for i, s in enumerate(samples):
+    for i, (s, mask) in enumerate(zip(samples, masks)):
         logp = np.asarray(s.output_logprobs, np.float32)
-        if logp.shape != (len(s.output_ids),) or not np.isfinite(logp).all():
+        if logp.shape != (len(s.output_ids),) or not np.isfinite(logp[mask]).all():
             raise ValueError(f"sample {i} has non-finite or misshapen behavior logprobs")
         if len(s.prompt_ids) + len(s.output_ids) > MAX_LENGTH or not s.output_ids:
             raise ValueError(f"sample {i} must have 1 to {MAX_LENGTH} tokens with at least "
                              f"one output token")
-        behavior.append(logp)
+        if not mask.any():
+            raise ValueError(f"sample {i} has no sampled token (its loss_mask is all False)")
+        behavior.append(np.where(mask, logp, np.float32(0)))
     adv = np.asarray(advantages(rewards.astype(np.float64), groups), np.float32)
     if adv.shape != (len(samples),) or not np.isfinite(adv).all():
         raise ValueError(f"advantages(...) must return finite f32 [{len(samples)}]")
     return TrainBatch(
         sequences=tuple(np.asarray(s.prompt_ids + s.output_ids, np.int32) for s in samples),
         prompt_lengths=np.array([len(s.prompt_ids) for s in samples]),
-        behavior_logprobs=tuple(behavior), token_versions=tuple(versions), advantages=adv,
-        behavior_version=np.array([int(v.min()) if v.size else s.behavior_version
-                                   for s, v in zip(samples, versions)]),
+        behavior_logprobs=tuple(behavior), token_versions=tuple(versions),
+        loss_masks=tuple(masks), advantages=adv,
+        behavior_version=np.array([int(v[m].min()) for v, m in zip(versions, masks)]),
         sampling=sp)
 
 
 def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[np.ndarray]:
-    """Each sampled token's share of its mini-batch's loss: per sample f32 [O_i]."""
-    outputs = [len(batch.behavior_logprobs[i]) for i in part]
+    """Each output token's share of its mini-batch's loss: per sample f32 [O_i], 0 exactly
+    on unsampled tokens. dapo: 1 / sampled tokens of the mini-batch; grpo: 1 / (its sample's
+    sampled tokens x samples); dr_grpo: 1 / (samples x max_new_tokens), a constant (for
+    episodes max_new_tokens is per turn: still a constant, not an episode's length)."""
+    masks = [batch.loss_masks[i] for i in part]
+    sampled = [int(m.sum()) for m in masks]
     if loss_type == "dapo":
-        return [np.full(o, 1.0 / sum(outputs), np.float32) for o in outputs]
-    if loss_type == "grpo":
-        return [np.full(o, 1.0 / (o * len(part)), np.float32) for o in outputs]
-    norm = len(part) * batch.sampling.max_new_tokens  # dr_grpo
-    return [np.full(o, 1.0 / norm, np.float32) for o in outputs]
+        shares = [1.0 / sum(sampled)] * len(part)
+    elif loss_type == "grpo":
+        shares = [1.0 / (n * len(part)) for n in sampled]
+    else:  # dr_grpo
+        shares = [1.0 / (len(part) * batch.sampling.max_new_tokens)] * len(part)
+    return [np.where(m, np.float32(w), np.float32(0)) for m, w in zip(masks, shares)]
 
 
 class TrainMemoryError(ValueError):
@@ -587,7 +621,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
         if not (np.isfinite(lr) and lr >= 0):
             raise ValueError(f"lr_schedule({version + i}) = {lr} must be finite and >= 0")
     oldest, newest = int(batch.behavior_version.min()), max(
-        int(v.max()) for v in batch.token_versions)
+        int(v[m].max()) for v, m in zip(batch.token_versions, batch.loss_masks))
     if cfg.max_policy_lag is not None and version - oldest > cfg.max_policy_lag:
         raise StalenessError(
             f"batch sample {int(batch.behavior_version.argmin())} has a token of version "
