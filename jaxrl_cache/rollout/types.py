@@ -153,7 +153,10 @@ class Episode:
     def as_sample(self) -> Sample:
         """The episode as a Sample whose loss_mask marks the sampled tokens (what the batch
         builder and the audit consume)."""
-        sampled = self.token_versions[self.loss_mask]
+        mask = np.asarray(self.loss_mask)
+        well_formed = mask.dtype == np.bool_ and mask.shape == np.shape(self.token_versions)
+        sampled = self.token_versions[mask] if well_formed else self.token_versions  # else
+        # make_batch and the audit refuse the mask by name
         return Sample(
             prompt_ids=self.prompt_ids, output_ids=self.token_ids,
             output_logprobs=self.logprobs,

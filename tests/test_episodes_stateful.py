@@ -1,0 +1,156 @@
+"""Property test of multi-turn episodes: random episode calls (turn counts, slow and failing
+environments) with weight syncs landing between calls, between turns and inside turns
+(forced at drawn step boundaries), and calls that fail midway.
+
+After every call: no page leak, no entry outside the lag window, versions never go
+backwards (engine, and each episode's sampled tokens), an environment fault ends only its
+episode, and every sampled token's log-prob equals a dense recomputation under its own
+version over the whole history ("recompute" and "wait": all of them; "keep": all but the
+flagged ones). Observation tokens are never sampled, flagged or stamped with a version
+that did not sample the token before them.
+"""
+import time
+
+import jax
+import numpy as np
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from jaxrl_cache.rollout import core
+from jaxrl_cache.rollout.env import EnvStep
+from tests.helpers import CONFIG, own_version_logprobs, varied_params
+
+SYSTEM = list(range(10, 18))  # two shared pages
+TASKS = [tuple(SYSTEM + [1, 2, 3]), tuple(SYSTEM + [4, 5]), (7, 8, 9, 20, 21)]
+SP = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+LAG = 1
+
+
+class Env:
+    """Answers with tokens derived from the turn; `turns`, `delay`, and `fail_on` (the
+    step that raises) come from the spec the test drew for its task."""
+
+    def __init__(self, spec):
+        self.task, self.turns, self.delay, self.fail_on = spec
+        self.steps = 0
+
+    def reset(self):
+        return list(self.task)
+
+    def step(self, action):
+        time.sleep(self.delay)
+        self.steps += 1
+        if self.steps == self.fail_on:
+            raise RuntimeError("env fault")
+        done = self.steps >= self.turns
+        return EnvStep(None if done else [1 + sum(action) % 40, 2], 1.0, done)
+
+
+class Scripted(RolloutEngine):
+    """Runs `self.script[i]` (a callable or None) at the i-th step boundary of a call."""
+    script: list = []
+
+    def _between_steps(self, run):
+        action = self.script.pop(0) if self.script else None
+        if action is not None:
+            action()
+
+
+class EpisodeMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["wait", "recompute", "keep"]))
+    def setup(self, policy):
+        self.policy = policy
+        self.engine = Scripted(CONFIG, CacheConfig(num_pages=64, page_size=4),
+                               scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=2),
+                               backend="xla", kv_policy=policy, max_policy_lag=LAG)
+        self.params = {0: varied_params(0)}
+        self.engine.sync_weights(self.params[0], 0)
+        self.acked, self.key = [0], 0
+
+    def _sync(self):
+        version = self.engine.version + 1
+        self.params[version] = varied_params(version)
+        ack = self.engine.sync_weights(self.params[version], version)
+        assert ack.version == version
+        self.acked.append(version)
+
+    @rule(specs=st.lists(st.tuples(st.sampled_from(range(len(TASKS))), st.integers(1, 3),
+                                   st.sampled_from([0.0, 0.02]),
+                                   st.sampled_from([None, 1, 2])), min_size=1, max_size=2),
+          updates=st.lists(st.booleans(), max_size=6))
+    def episodes(self, specs, updates):
+        if self.policy != "wait":  # "wait": a sync waits for the whole call
+            self.engine.script = [self._sync if u else None for u in updates]
+        start = self.engine.version
+        self.key += 1
+        tasks = [(TASKS[t], turns, delay, fail) for t, turns, delay, fail in specs]
+        batch = self.engine.rollout_episodes(self.params[start], start, tasks, Env, SP,
+                                             rng=jax.random.key(self.key), max_turns=3)
+        self.engine.script = []
+        for e in batch.episodes:
+            task, turns, _, fail = tasks[e.group]
+            assert e.prompt_ids == task
+            if fail is not None and fail <= turns:
+                assert e.finish_reason == "error" and "env fault" in e.error
+                assert len(e.turns) == fail
+            else:
+                assert e.finish_reason == "done" and len(e.turns) == turns
+            sampled = e.token_versions[e.loss_mask].tolist()
+            assert sampled == sorted(sampled) and start <= sampled[0]
+            assert sampled[-1] <= self.engine.version
+            assert len(e.token_versions) == len(e.token_ids) == len(e.loss_mask)
+            for (lo, hi), (nxt, _) in zip(e.turns, e.turns[1:] + ((len(e.token_ids), 0),)):
+                assert e.loss_mask[lo:hi].all() and not e.loss_mask[hi:nxt].any()
+                assert (e.token_versions[hi:nxt] == e.token_versions[hi - 1]).all()
+            want = own_version_logprobs(e.as_sample(), self.params, SP)
+            check = e.loss_mask.copy()
+            if e.mixed_tokens is not None:
+                assert self.policy == "keep" and not e.mixed_tokens[~e.loss_mask].any()
+                check &= ~e.mixed_tokens
+            np.testing.assert_allclose(e.logprobs[check], want[check], atol=3e-3)
+
+    @rule()
+    def sync_between_calls(self):
+        self._sync()
+
+    @rule(at=st.integers(1, 4), updates=st.lists(st.booleans(), max_size=3))
+    def failing_call(self, at, updates):
+        """A call whose at-th decode chunk fails after `updates` syncs landed (asynchronous
+        modes); it commits nothing of its own and leaks nothing."""
+        if self.policy != "wait":
+            self.engine.script = [self._sync if u else None for u in updates]
+        self.key += 1
+        version, real, calls = self.engine.version, core.decode_chunk, []
+
+        def decode(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == at:
+                raise RuntimeError("injected")
+            return real(*args, **kwargs)
+
+        core.decode_chunk = decode
+        try:
+            self.engine.rollout_episodes(self.params[version], version,
+                                         [(TASKS[0], 3, 0.0, None)], Env, SP,
+                                         rng=jax.random.key(self.key))
+        except RuntimeError as e:
+            assert "injected" in str(e)
+        finally:
+            core.decode_chunk, self.engine.script = real, []
+        assert self.engine.version == self.acked[-1]
+
+    @invariant()
+    def no_leak_and_versions_forward(self):
+        if not hasattr(self, "engine"):
+            return
+        cache = self.engine.cache
+        cache.check_invariants()
+        assert self.engine._active is None and self.engine.cache_stats().in_use_pages == 0
+        assert self.acked == sorted(self.acked) and self.engine.version == self.acked[-1]
+        assert all(self.engine.version - LAG <= v <= self.engine.version
+                   for v in cache.versions())
+
+
+TestEpisodeMachine = EpisodeMachine.TestCase
+TestEpisodeMachine.settings = settings(max_examples=5, stateful_step_count=4, deadline=None)
