@@ -300,3 +300,44 @@ def test_text_environment_with_a_tokenizer():
     assert tok.decode(e.token_ids[start:end]) == seen[0]
     assert tok.decode(e.token_ids[end:e.turns[1][0]]) == f"<{len(seen[0])}>"
     assert e.reward == 2.0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_steps_on_episodes(mode):
+    """The library loop trains on episode calls (rewards from the environments), audits
+    every sampled token, and advances one version per update, in both modes."""
+    from jaxrl_cache import TrainState
+    from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
+    from jaxrl_cache.rl.train import TrainConfig
+
+    class Varied(TokenEnv):
+        def step(self, action):  # a reward that differs within a group
+            out = super().step(action)
+            return EnvStep(out.observation, float(action[0] % 3), out.done)
+
+    engine = make_engine("wait" if mode == "sync" else "recompute")
+    state = TrainState.create(PARAMS[0], config=CONFIG, lr_schedule=1e-2)
+    sampling = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    episodes = dict(env_factory=Varied, max_turns=2)
+    source = lambda call: (TASKS, None)  # noqa: E731
+    if mode == "sync":
+        rollouts = SyncRollouts(engine, source, sampling, calls=1, key=jax.random.key(0),
+                                episodes=episodes)
+    else:
+        rollouts = AsyncRollouts(engine, source, sampling, calls=1, max_policy_lag=1,
+                                 key=jax.random.key(0), state=state, episodes=episodes)
+    history = PolicyHistory(0 if mode == "sync" else 1)
+    history.add(0, state.params)
+    try:
+        for step in range(2):
+            result = grpo_step(step, state, rollouts, None, decode=str, history=history,
+                               train=TrainConfig(mini_batches=2))
+            state = result.state
+            rec = result.record
+            assert rec["episodes"] == 4 and rec["audit_failed"] == 0
+            assert rec["audited_samples"] == 4 and rec["updates"] == 2
+            assert rec["audit_checked_tokens"] == rec["generated_tokens"] > 0
+    finally:
+        rollouts.close()
+    assert int(state.version) == 4 and engine.version == 4
+    assert_clean(engine)

@@ -47,19 +47,25 @@ class Rollouts(Protocol):
 class SyncRollouts:
     """Each step: `calls` rollout calls at the trainer's version, then train, then sync.
     prompt_source(call) -> (prompts, meta) for the call-th call of the run; call c of step s
-    is s * calls + c and draws with key fold_in(key, c) (a resumed run replays nothing)."""
+    is s * calls + c and draws with key fold_in(key, c) (a resumed run replays nothing).
+    episodes: keyword arguments of engine.rollout_episodes (env_factory, max_turns, ...):
+    the prompts are then tasks and each call an episode call."""
 
-    def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int, key):
+    def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int, key,
+                 episodes: dict | None = None):
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
-        self.calls, self.key = calls, key
+        self.calls, self.key, self.episodes = calls, key, episodes
 
     def get(self, step: int, state: TrainState):
         out = []
         for c in range(step * self.calls, (step + 1) * self.calls):
             prompts, meta = self.prompt_source(c)
-            out.append((meta, self.engine.rollout(state.params, int(state.version), prompts,
-                                                  self.sampling,
-                                                  rng=jax.random.fold_in(self.key, c))))
+            args = (state.params, int(state.version), prompts)
+            rng = jax.random.fold_in(self.key, c)
+            out.append((meta, self.engine.rollout(*args, self.sampling, rng=rng)
+                        if self.episodes is None else
+                        self.engine.rollout_episodes(*args, sampling=self.sampling, rng=rng,
+                                                     **self.episodes)))
         return out
 
     def publish(self, state: TrainState) -> WeightAck:
@@ -72,14 +78,16 @@ class SyncRollouts:
 class AsyncRollouts:
     """A RolloutWorker generates the next calls while the trainer trains; weight updates
     land between decode chunks (engine kv_policy); calls beyond the lag are dropped. The
-    worker starts at call `first_call` (a resumed run continues the sequence of calls)."""
+    worker starts at call `first_call` (a resumed run continues the sequence of calls).
+    episodes: as SyncRollouts'."""
 
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
-                 stop_timeout: float = 120.0):
+                 stop_timeout: float = 120.0, episodes: dict | None = None):
         self.calls, self.stop_timeout = calls, stop_timeout
         self.buffer = SampleBuffer(calls, max_policy_lag)
-        self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key)
+        self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
+                                    episodes=episodes)
         self.worker.start(state.params, state.version, first_call=first_call)
 
     def get(self, step: int, state: TrainState):

@@ -295,14 +295,14 @@ class RolloutEngine:
     def rollout_episodes(self, params, version, tasks: Sequence, env_factory: Callable,
                          sampling: SamplingParams, *, rng: jax.Array, max_turns: int = 4,
                          max_episode_tokens: int | None = None,
-                         env_workers: int = 8) -> EpisodeBatch:
+                         env_workers: int | None = None) -> EpisodeBatch:
         """sampling.n multi-turn episodes per task with the params of `version`
         (rollout/episodes.py; the environment protocol is rollout/env.py).
 
         env_factory(task) makes episode j of a task its environment. Each assistant turn
         stops as a single-turn sample does (stop ids or strings, sampling.max_new_tokens);
-        its environment then answers on one of `env_workers` threads while the other rows
-        decode, and the next turn is admitted with the whole history as its context, served
+        its environment then answers on one of `env_workers` threads (default: one per
+        episode, at most 64) while the other rows decode, and the next turn is admitted with the whole history as its context, served
         from this version's prefix cache up to the new observation. An episode ends when its
         environment says done, after max_turns turns, when its history would pass
         max_episode_tokens (default: the model's max_seq_len), or with "error" when its
@@ -478,7 +478,9 @@ class RolloutEngine:
                             f"{type(env_factory).__name__}")
         limit = self.model_config.max_seq_len
         max_turns = as_count(max_turns, "max_turns", minimum=1, maximum=2**16)
-        env_workers = as_count(env_workers, "env_workers", minimum=1, maximum=1024)
+        env_workers = as_count(min(len(tasks) * sampling.n, 64) if env_workers is None
+                               else env_workers,
+                               "env_workers", minimum=1, maximum=1024)
         max_tokens = as_count(limit if max_episode_tokens is None else max_episode_tokens,
                               "max_episode_tokens", minimum=2, maximum=limit)
         ps, usable = self.cache_config.page_size, self.cache_config.num_pages - 1

@@ -1,6 +1,7 @@
 """Asynchronous RL: a background rollout worker and the trainer-side buffer it fills.
 
-The worker thread calls `engine.rollout` back to back at the latest published version; the
+The worker thread calls `engine.rollout` (or `engine.rollout_episodes`, given `episodes`)
+back to back at the latest published version; the
 trainer draws finished calls from the buffer, trains, and `publish`es the new params, which
 syncs the engine between two decode chunks of the call in flight (engine kv_policy
 "recompute" or "keep"). Staleness is bounded twice: the buffer is bounded (the worker waits
@@ -46,7 +47,7 @@ from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import RolloutBatch, WeightAck
+from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
 from jaxrl_cache.versioning import as_version
 
 
@@ -54,7 +55,7 @@ from jaxrl_cache.versioning import as_version
 class Produced:
     """One finished rollout call."""
     call: int  # index of the call: prompt_source(call) gave its prompts
-    batch: RolloutBatch
+    batch: RolloutBatch | EpisodeBatch
     meta: object  # what prompt_source returned with the prompts (e.g. reference answers)
 
     @property
@@ -233,14 +234,17 @@ class RolloutWorker:
     """A background thread generating continuously at the latest published version."""
 
     def __init__(self, engine, prompt_source: Callable[[int], tuple[list, object]],
-                 sampling: SamplingParams, buffer: SampleBuffer, *, rng: jax.Array):
+                 sampling: SamplingParams, buffer: SampleBuffer, *, rng: jax.Array,
+                 episodes: dict | None = None):
         """prompt_source(call) -> (prompts, meta) for the call-th rollout call; rng: the key
-        that call c folds c into (calls are reproducible by index)."""
+        that call c folds c into (calls are reproducible by index). episodes: keyword
+        arguments of engine.rollout_episodes (env_factory, max_turns, ...): calls are then
+        episode calls whose prompts are tasks."""
         if engine.kv_policy == "wait":
             raise ValueError("RolloutWorker needs an engine with kv_policy 'recompute' or "
                              "'keep': with 'wait' a sync waits for the whole call")
         self.engine, self.source, self.sampling, self.buffer = engine, prompt_source, sampling, buffer
-        self.rng = rng
+        self.rng, self.episodes = rng, episodes
         self._cond = threading.Condition()  # guards _version and _held
         self._version = -1  # calls start at this version (-1: nothing published yet)
         self._held: dict[int, object] = {}  # version -> params: _version's and newer offers
@@ -293,7 +297,7 @@ class RolloutWorker:
         except BaseException as e:  # surfaced to the trainer by get() and stop()
             self.buffer.close(e)
 
-    def _rollout(self, prompts, rng) -> RolloutBatch | None:
+    def _rollout(self, prompts, rng) -> RolloutBatch | EpisodeBatch | None:
         """One call at the current version, catching up with the engine (never spinning, see
         the module doc); None if stopped first."""
         while True:
@@ -301,6 +305,10 @@ class RolloutWorker:
                 version = self._version
                 params = self._held[version]
             try:
+                if self.episodes is not None:
+                    return self.engine.rollout_episodes(params, version, prompts,
+                                                        sampling=self.sampling, rng=rng,
+                                                        **self.episodes)
                 return self.engine.rollout(params, version, prompts, self.sampling, rng=rng)
             except VersionError:
                 if self.engine.version <= version:
