@@ -11,9 +11,8 @@ a page with none free, every other page "in use": free + cached + in use == num_
 past a duplicate prefix), so a cached page is evictable only if no page below it is in use.
 Eviction takes the oldest version first, least recently used leaves first within it.
 
-Every method checks its arguments first (an error changes nothing), then commits inside
-`deferred_signals()`; references handed out when an interrupt lands are repaired by
-`reconcile`, which the engine runs on the quiescent cache after each call.
+Every method checks its arguments before it commits inside `deferred_signals()`; references
+an interrupt leaves handed out are repaired by `reconcile` (the engine runs it after each call).
 """
 from __future__ import annotations
 
@@ -279,7 +278,8 @@ class RadixCache:
             raise ValueError(f"{full} full pages of tokens but only {len(pages)} pages")
         path, n, start = self._walk(version, data)
         new_pages = as_page_list(pages[n:full], num_pages)  # the only pages the trie reads
-        if len(set(new_pages)) < len(new_pages) or self._in_trie[new_pages].any():
+        in_trie = self._in_trie  # a few pages: numpy scalars cost less than fancy indexing
+        if len(set(new_pages)) < len(new_pages) or any(in_trie[page] for page in new_pages):
             raise ValueError(f"pages {new_pages} include one already cached under another "
                              f"prefix or listed twice")
         with deferred_signals():
@@ -293,14 +293,14 @@ class RadixCache:
                     raise
             if version not in self._roots:
                 self._roots[version] = _Node(b"", [], None, version, 0)
-            now = next(self._clock)
-            self._touch(path, n, start, now)
+            self._touch(path, n, start, now := next(self._clock))
             if new_pages:
                 parent = path[-1] if path else self._roots[version]
                 child = _Node(data[n * size:], new_pages, parent, version, now)
                 parent.children[data[n * size:(n + 1) * size]] = child
-                self._in_trie[new_pages] = True
-                self._parent[new_pages] = (parent.pages or [0])[-1:] + new_pages[:-1]
+                above = (parent.pages or [0])[-1]
+                for page in new_pages:
+                    in_trie[page], self._parent[page], above = True, above, page
                 self._counters["inserted_pages"] += len(new_pages)
         return len(new_pages)
 
