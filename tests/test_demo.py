@@ -170,6 +170,23 @@ def test_async_demo_trains_within_the_lag_and_audits_every_token(tmp_path, polic
         assert summary["mixed_tokens"] == 0
 
 
+@pytest.mark.parametrize("async_rollouts", [False, True])
+def test_calculator_episodes_through_the_demo(tmp_path, async_rollouts):
+    """--env calculator: multi-turn episodes end to end (warm start on both turns, GRPO on
+    the environment's rewards), every sampled token audited, tool use counted."""
+    out = tmp_path / "calc"
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), env="calculator",
+                                             async_rollouts=async_rollouts, **SMALL))
+    rows = read_rows(out)
+    assert summary["task"] == "calculator" and summary["final_version"] == 3
+    assert summary["audit_failures"] == 0 and summary["audited_samples"] == 3 * 4 * 2
+    for r in rows:
+        assert r["episodes"] == 4 * 2 and 0.0 <= r["tool_use"] <= 1.0
+        assert r["audit_checked_tokens"] == r["generated_tokens"] > 0
+        assert r["exact_match"] == r["reward"]  # the environment's reward is exact match
+    assert summary["tool_use_first"] is not None
+
+
 def test_new_run_refuses_a_previous_run_unless_resume_or_overwrite(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -324,6 +341,8 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
     (["demo", "--mesh", "trainer=0,engine=4"], "every size must be >= 1"),
     (["demo", "--mesh", "trainer=2,engine=2,engine=4"], "engine given twice"),
     (["nope"], "invalid choice"),
+    (["demo", "--env", "calculator", "--task", str(TASK_FILE)], "excludes --task and --model"),
+    (["demo", "--env", "chess"], "invalid choice"),
 ])
 def test_cli_bad_flags_give_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --out is relative: never the caller's runs/

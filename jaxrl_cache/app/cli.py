@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", metavar="FILE", help='JSONL task file, one {"prompt": ..., "answer": ...} '
         "per line (e.g. examples/tasks/arithmetic.jsonl); default: the built-in "
         "'repeat the number' task")
+    add("--env", choices=["calculator"], help="multi-turn episodes instead of single "
+        "completions: 3-digit multiplication with a calculator tool the policy calls in "
+        "writing (c:123*456); the warm start teaches the tool format, rewards come from the "
+        "environment, every sampled token of every turn is audited (built-in model only)")
     add("--answer-regex", metavar="REGEX", help="with --task: reward 1 if the last match of "
         "REGEX in the completion (its first group if any) equals the answer, else 0 "
         "(GSM8K style: '####\\s*(-?[\\d.,]+)'); default: exact match of the whole "
@@ -70,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO steps (= final policy version) [%(default)s]")
     add("--sft-steps", type=_natural_int, default=None,
         help="at most this many supervised warm-start steps on reference answers before "
-             "GRPO; 0 skips it [300 for the built-in model, 0 with --model]")
-    add("--sft-stop-loss", type=_positive_float, default=d.sft_stop_loss,
+             "GRPO; 0 skips it [300 for the built-in model, 400 with --env, 0 with --model]")
+    add("--sft-stop-loss", type=_positive_float, default=None,
         help="the warm start stops early once its smoothed token loss falls below this: it "
-             "is deliberately short, GRPO does the rest [%(default)s]")
+             "is deliberately short, GRPO does the rest [0.5; 0.2 with --env]")
     add("--sft-lr", type=_positive_float, default=d.sft_lr,
         help="warm-start learning rate (Adam) [%(default)s]")
     add("--sft-batch", type=_positive_int, default=d.sft_batch,
@@ -89,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="generation budget per sample [built-in task: answer + <eos>; --task: 64]")
     add("--temperature", type=_natural_float, default=d.temperature,
         help="sampling temperature of rollouts and evaluation [%(default)s]")
-    add("--lr", type=_positive_float, default=d.lr, help="GRPO peak learning rate "
-        "[%(default)s]")
+    add("--lr", type=_positive_float, default=None, help="GRPO peak learning rate "
+        "[3e-3; 3e-4 with --env]")
     add("--warmup-steps", type=_natural_int, default=d.warmup_steps,
         help="GRPO linear learning-rate warmup [%(default)s]")
     add("--eval-prompts", type=_positive_int, default=d.eval_prompts,
@@ -183,6 +187,9 @@ def _demo(args) -> int:
         ("mean reward, first -> last", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
         ("exact match in training, first -> last",
          f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"),
+        *([("episodes calling the tool, first -> last",
+            f"{s['tool_use_first']:.3f} -> {s['tool_use_last']:.3f}")]
+          if s["tool_use_first"] is not None else []),
         (f"exact match (eval, {s['eval_prompts']} prompts)",
          f"{'after SFT' if s['warm_started'] else 'before GRPO'} "
          f"{s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),

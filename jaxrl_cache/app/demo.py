@@ -10,7 +10,11 @@
 4. Checkpoints every `--checkpoint-every` steps, at the end, and on Ctrl-C/SIGTERM (the save
    itself defers signals); `--resume` continues exactly; the final policy is exported with
    `save_pretrained` to `out/final_model`.
-5. `--mesh trainer=T,engine=E` (app/mesh_layout.py): the trainer (FSDP) and the engine
+5. `--env calculator` (app/calculator.py): multi-turn episodes instead of single
+   completions: 3-digit multiplication with a calculator tool the policy calls in writing;
+   the warm start teaches the tool format on both turns, rewards come from the
+   environment, every sampled token of every turn is audited.
+6. `--mesh trainer=T,engine=E` (app/mesh_layout.py): the trainer (FSDP) and the engine
    (tensor parallel) on disjoint device sets; each sync reshards the trainer's params into
    the engine's layout (bytes moved and seconds per sync in metrics.jsonl and the summary).
 
@@ -32,6 +36,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from jaxrl_cache.app.calculator import CalculatorEnv, CalculatorTask, parse_call, tool_sft_pairs
 from jaxrl_cache.app.mesh_layout import MeshLayout
 from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
@@ -47,6 +52,8 @@ from jaxrl_cache.rl.train import TrainConfig, TrainState, check_memory, make_opt
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
 MAX_SEED = 2**32 - 1
+ENVS = ("calculator",)
+MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 
 
@@ -54,7 +61,8 @@ PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 class DemoOptions:
     steps: int = 120  # GRPO steps (= final policy version)
     sft_steps: int | None = None  # at most; None: 300 for the built-in model, 0 with --model
-    sft_stop_loss: float = 0.5  # the warm start stops once its smoothed token loss is below
+    sft_stop_loss: float | None = None  # the warm start stops once its smoothed token loss
+    #   is below this; None: 0.5, or 0.2 with --env calculator (the tool format needs more)
     sft_lr: float = 5e-3
     sft_batch: int = 32
     group_size: int = 8
@@ -62,7 +70,7 @@ class DemoOptions:
     rollout_calls: int = 2  # rollout calls per step (later ones hit the cached prefix)
     max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --task
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float | None = None  # GRPO peak lr; None: 3e-3, or 3e-4 with --env calculator
     warmup_steps: int = 5
     eval_prompts: int = 64
     checkpoint_every: int = 10
@@ -72,6 +80,7 @@ class DemoOptions:
     backend: str = "auto"
     model: str | None = None
     task: str | None = None
+    env: str | None = None  # "calculator": multi-turn episodes with a tool (ENVS)
     answer_regex: str | None = None
     out: str = "runs/demo"
     resume: bool = False
@@ -103,7 +112,14 @@ class DemoOptions:
         if self.prompts_per_step % self.rollout_calls:
             raise ValueError(f"--prompts-per-step ({self.prompts_per_step}) must be a multiple "
                              f"of --rollout-calls ({self.rollout_calls})")
+        if self.env not in (None,) + ENVS:
+            raise ValueError(f"--env must be one of {ENVS}, got {self.env!r}")
+        if self.env is not None and (self.task is not None or self.model is not None):
+            raise ValueError("--env calculator runs the built-in model on its own questions; "
+                             "it excludes --task and --model")
         for name in ("lr", "sft_lr", "sft_stop_loss"):
+            if name in ("lr", "sft_stop_loss") and getattr(self, name) is None:
+                continue
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
                                  f"got {getattr(self, name)}")
@@ -150,7 +166,8 @@ def _param_bytes(params) -> int:
 
 
 def _lr_schedule(opts: DemoOptions):
-    return optax.warmup_constant_schedule(0.0, opts.lr, max(opts.warmup_steps, 1))
+    lr = opts.lr or (3e-4 if opts.env else 3e-3)
+    return optax.warmup_constant_schedule(0.0, lr, max(opts.warmup_steps, 1))
 
 
 def builtin_model_config(vocab_size: int) -> ModelConfig:
@@ -214,10 +231,15 @@ def _check_inputs(opts: DemoOptions):
 
 
 def _max_new_tokens(opts: DemoOptions, task) -> int:
-    return opts.max_new_tokens or (task.num_digits + 1 if opts.task is None else 64)
+    """A turn's budget with --env: a tool call of two 3-digit operands or a 6-digit answer."""
+    if opts.max_new_tokens:
+        return opts.max_new_tokens
+    return 12 if opts.env else (task.num_digits + 1 if opts.task is None else 64)
 
 
 def _make_task(opts: DemoOptions):
+    if opts.env == "calculator":
+        return CalculatorTask()
     if opts.task is None:
         return CopyDigits()
     return JsonlTask(opts.task, Reward(opts.answer_regex))
@@ -241,21 +263,25 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
     smoothed, steps = None, 0
     bar = tqdm(range(opts.sft_steps), desc="SFT warm start", unit="step", dynamic_ncols=True,
                leave=False)
+    stop_loss = opts.sft_stop_loss or (0.2 if opts.env else 0.5)
     for steps in bar:
-        examples = task.sample(rng, opts.sft_batch)
-        prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
-        answers = [tokenizer.encode(e.answer, add_special_tokens=False) + list(stop)
-                   for e in examples]
+        if opts.env:  # both turns of each episode (tool call, then the answer)
+            prompts, answers = tool_sft_pairs(task.sample(rng, opts.sft_batch // 2), tokenizer)
+        else:
+            examples = task.sample(rng, opts.sft_batch)
+            prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
+            answers = [tokenizer.encode(e.answer, add_special_tokens=False) + list(stop)
+                       for e in examples]
         tokens, mask = pack_completions(prompts, answers)
         params, opt_state, loss = sft_step(params, opt_state, jnp.asarray(tokens),
                                            jnp.asarray(mask), config=config, tx=tx)
         smoothed = float(loss) if smoothed is None else 0.8 * smoothed + 0.2 * float(loss)
         bar.set_postfix(loss=f"{smoothed:.3f}", refresh=False)
-        if smoothed < opts.sft_stop_loss:
+        if smoothed < stop_loss:
             break
     bar.close()
     tqdm.write(f"SFT warm start: stopped after {steps + 1} steps at token loss {smoothed:.3f} "
-               f"(target {opts.sft_stop_loss})")
+               f"(target {stop_loss})")
     return save_pretrained(run.path / "sft_model", config, params, tokenizer=tokenizer)
 
 
@@ -278,7 +304,7 @@ def _sft_steps(opts: DemoOptions) -> int:
     --model."""
     if opts.sft_steps is not None:
         return opts.sft_steps
-    return 0 if opts.model is not None else 300
+    return 0 if opts.model is not None else (400 if opts.env else 300)
 
 
 class _Stop:
@@ -298,8 +324,13 @@ class _Stop:
 
 def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> float:
     """Exact-match success on `eval_prompts` fixed prompts (`task.eval_examples`: a task
-    file's held-out part), one sample each."""
+    file's held-out part), one sample (--env: one episode) each."""
     examples = task.eval_examples(np.random.default_rng([opts.seed, 2]), opts.eval_prompts)
+    if opts.env:
+        batch = engine.rollout_episodes(params, version, examples, CalculatorEnv,
+                                        dataclasses.replace(sampling, n=1), rng=key,
+                                        max_turns=MAX_TURNS)
+        return float(np.mean([e.reward == 1.0 for e in batch.episodes]))
     batch = engine.rollout(params, version, _encode_prompts(tokenizer, [e.prompt for e in
                                                                         examples]),
                            dataclasses.replace(sampling, n=1), rng=key)
@@ -383,7 +414,7 @@ def run_demo(opts: DemoOptions) -> dict:
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
-                           max_policy_lag=lag,
+                           max_policy_lag=lag, tokenizer=tokenizer,
                            **({} if placement is None else placement.engine_kwargs()))
     seed_key = jax.random.key(opts.seed)
     if "sft_exact_match" not in record:
@@ -397,24 +428,35 @@ def run_demo(opts: DemoOptions) -> dict:
     per_call = opts.prompts_per_step // opts.rollout_calls
 
     def prompts_of(call: int):
-        """The call-th rollout call's prompts (and examples): step call // rollout_calls."""
+        """The call-th rollout call's prompts (--env: the examples are the tasks) and
+        examples: step call // rollout_calls."""
         step, part = divmod(call, opts.rollout_calls)
         examples = task.sample(np.random.default_rng([opts.seed, 0, step]),
                                opts.prompts_per_step)[part * per_call:(part + 1) * per_call]
+        if opts.env:
+            return examples, examples
         return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
 
     def reward(examples, sample, text: str) -> float:
         return task.reward(text, examples[sample.group].answer)
+
+    def exact(examples, sample, text: str) -> bool:
+        if opts.env:  # an Episode: the environment's reward
+            return sample.reward == 1.0
+        return task.reward(text, examples[sample.group].answer) == 1.0
+
+    episodes = dict(env_factory=CalculatorEnv, max_turns=MAX_TURNS) if opts.env else None
 
     start_step = start_version // train.updates
     history = PolicyHistory(lag)
     history.add(start_version, state.params)
     rollouts = (AsyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
                               max_policy_lag=lag, key=jax.random.fold_in(seed_key, 2**31 - 1),
-                              state=state, first_call=start_step * opts.rollout_calls)
+                              state=state, first_call=start_step * opts.rollout_calls,
+                              episodes=episodes)
                 if opts.async_rollouts else
                 SyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
-                             key=seed_key))
+                             key=seed_key, episodes=episodes))
     stop = _Stop()
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     buffer_metrics = {}
@@ -423,7 +465,8 @@ def run_demo(opts: DemoOptions) -> dict:
                desc="GRPO", unit="step", dynamic_ncols=True)
     try:
         for step in bar:
-            result = grpo_step(step, state, rollouts, reward, decode=tokenizer.decode,
+            result = grpo_step(step, state, rollouts, None if opts.env else reward,
+                               decode=tokenizer.decode,
                                history=history, train=train,
                                mesh=None if placement is None else placement.trainer)
             examples, sample, completion = result.texts[0]
@@ -431,10 +474,12 @@ def run_demo(opts: DemoOptions) -> dict:
             sync_bytes = (_param_bytes(result.state.params) if placement is None
                           else placement.sync_bytes(result.state.params))
             row = dict(result.record, exact_match=float(np.mean(
-                [task.reward(t, m[s.group].answer) == 1.0 for m, s, t in result.texts])),
-                sync_bytes=sync_bytes,
+                [exact(m, s, t) for m, s, t in result.texts])), sync_bytes=sync_bytes,
                 sample=dict(prompt=example.prompt, completion=completion,
                             answer=example.answer))
+            if opts.env:  # episodes whose turns include a well-formed tool call
+                row["tool_use"] = float(np.mean([any(parse_call(t) for t in s.turn_texts)
+                                                 for _, s, _ in result.texts]))
             with deferred_signals():  # the state and its metrics row move together
                 run.append_row(row)
                 rows.append(row)
@@ -486,6 +531,8 @@ def run_demo(opts: DemoOptions) -> dict:
         reward_last=mean("reward", rows[-window:]),
         exact_first=mean("exact_match", rows[:window]),
         exact_last=mean("exact_match", rows[-window:]),
+        tool_use_first=mean("tool_use", rows[:window]) if opts.env else None,
+        tool_use_last=mean("tool_use", rows[-window:]) if opts.env else None,
         sft_exact_match=record["sft_exact_match"], rl_exact_match=rl_exact,
         warm_started=warm_started,
         eval_prompts=opts.eval_prompts, generated_tokens=totals["generated_tokens"],

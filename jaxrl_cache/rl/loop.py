@@ -147,13 +147,6 @@ def _episode_counters(batches: list) -> dict:
                 env_seconds=sum(b.env_seconds for b in batches if isinstance(b, EpisodeBatch)))
 
 
-def _context_tokens(batch) -> int:
-    """Context tokens a call attended to: its prompts, or every turn's context (episodes)."""
-    if isinstance(batch, EpisodeBatch):
-        return batch.prefill_tokens + batch.cached_tokens
-    return batch.prompt_tokens
-
-
 def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable | None, *,
               decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
               advantages: Callable = group_advantages, audit_samples: int | None = None,
@@ -173,6 +166,16 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     t0 = time.perf_counter()
     parts = rollouts.get(step, state)
     t1 = time.perf_counter()
+    untrainable = sum(not e.sampled_tokens for _, b in parts if isinstance(b, EpisodeBatch)
+                      for e in b.episodes)
+    if untrainable:  # episodes whose environment failed before a first turn: counted only
+        parts = [(meta, dataclasses.replace(b, episodes=[e for e in b.episodes
+                                                         if e.sampled_tokens]))
+                 if isinstance(b, EpisodeBatch) else (meta, b) for meta, b in parts]
+        parts = [(meta, b) for meta, b in parts if b.samples]
+        if not parts:
+            raise RuntimeError(f"step {step}: no episode sampled a token (every environment "
+                               f"failed before its first turn)")
     if reward is None and not all(isinstance(b, EpisodeBatch) for _, b in parts):
         raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
                          "call has no reward of its own")
@@ -209,7 +212,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.params)
     batches = [b for _, b in parts]
-    context = sum(_context_tokens(b) for b in batches)
+    context = sum(b.prompt_tokens for b in batches)
     record = dict(
         step=step, version=version, next_version=ack.version,
         reward=float(np.mean(rewards)), samples=len(rewards),
@@ -229,5 +232,5 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
         train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
     if any(isinstance(b, EpisodeBatch) for b in batches):
-        record.update(_episode_counters(batches))
+        record.update(_episode_counters(batches), episodes_untrainable=untrainable)
     return StepResult(new_state, record, texts, ack)

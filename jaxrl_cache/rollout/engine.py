@@ -312,9 +312,14 @@ class RolloutEngine:
         g * n + j.
         """
         version = as_version(version)
-        call = self._check_episodes(tasks, env_factory, sampling, rng, max_turns,
-                                    max_episode_tokens, env_workers)
-        return self._run_call(params, version, call)
+        self._check_sampling(sampling, rng)
+        text.encode_prompts(self.tokenizer, [], sampling)  # stop strings need a tokenizer
+        max_tokens, driver = episodes.prepare(
+            tasks, env_factory, sampling, tokenizer=self.tokenizer, config=self.model_config,
+            cache_config=self.cache_config, max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens, env_workers=env_workers)
+        return self._run_call(params, version, _Call(sampling, rng, [], max_tokens,
+                                                     episodes.batch, driver))
 
     def _run_call(self, params, version: int, call: _Call):
         if self.kv_policy == "wait":
@@ -465,39 +470,6 @@ class RolloutEngine:
                 f"max_new_tokens {sampling.max_new_tokens}, page_size {ps}) but the pool has "
                 f"only {usable}; use a larger CacheConfig.num_pages or shorter requests")
         return out
-
-    def _check_episodes(self, tasks, env_factory, sampling, rng, max_turns,
-                        max_episode_tokens, env_workers) -> _Call:
-        """rollout_episodes' arguments, checked before any work, as a _Call."""
-        self._check_sampling(sampling, rng)
-        text.encode_prompts(self.tokenizer, [], sampling)  # stop strings need a tokenizer
-        if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
-            raise TypeError(f"tasks must be a non-empty sequence, got {type(tasks).__name__}")
-        if not callable(env_factory):
-            raise TypeError(f"env_factory must be callable (task -> environment), got "
-                            f"{type(env_factory).__name__}")
-        limit = self.model_config.max_seq_len
-        max_turns = as_count(max_turns, "max_turns", minimum=1, maximum=2**16)
-        env_workers = as_count(min(len(tasks) * sampling.n, 64) if env_workers is None
-                               else env_workers,
-                               "env_workers", minimum=1, maximum=1024)
-        max_tokens = as_count(limit if max_episode_tokens is None else max_episode_tokens,
-                              "max_episode_tokens", minimum=2, maximum=limit)
-        ps, usable = self.cache_config.page_size, self.cache_config.num_pages - 1
-        need = scheduler.pages_for(max_tokens - 1, ps)
-        if need > usable:
-            raise CacheFullError(
-                f"one episode may need {need} KV pages (max_episode_tokens {max_tokens}, "
-                f"page_size {ps}) but the pool has only {usable}; use a larger "
-                f"CacheConfig.num_pages or a smaller max_episode_tokens")
-        tasks = list(tasks)
-
-        def driver():
-            return episodes.Driver(tasks, env_factory, sampling, tokenizer=self.tokenizer,
-                                   vocab_size=self.model_config.vocab_size,
-                                   max_turns=max_turns, max_tokens=max_tokens,
-                                   workers=env_workers)
-        return _Call(sampling, rng, [], max_tokens, episodes.batch, driver)
 
     def cache_stats(self) -> CacheStats:
         return self._serialized(self.cache.stats)

@@ -25,9 +25,12 @@ import math
 import numbers
 import queue
 import time
+from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxrl_cache.checks import as_count
+from jaxrl_cache.errors import CacheFullError
 from jaxrl_cache.rollout import scheduler, text
 from jaxrl_cache.rollout.env import EnvStep
 from jaxrl_cache.rollout.types import Episode, EpisodeBatch, WeightAck
@@ -217,6 +220,35 @@ class Driver:
                 kv_versions=tuple(sorted(st.kv_versions)),
                 mixed_tokens=mixed if mixed.any() else None, error=st.error))
         return out
+
+
+def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, max_turns,
+            max_episode_tokens, env_workers) -> tuple[int, Callable[[], Driver]]:
+    """rollout_episodes' arguments checked before any work: (max tokens of an episode, a
+    factory of the call's Driver). Raises TypeError/ValueError, or CacheFullError when one
+    episode at its token budget could not fit the KV pool."""
+    if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
+        raise TypeError(f"tasks must be a non-empty sequence, got {type(tasks).__name__}")
+    if not callable(env_factory):
+        raise TypeError(f"env_factory must be callable (task -> environment), got "
+                        f"{type(env_factory).__name__}")
+    limit = config.max_seq_len
+    max_turns = as_count(max_turns, "max_turns", minimum=1, maximum=2**16)
+    env_workers = as_count(min(len(tasks) * sampling.n, 64) if env_workers is None
+                           else env_workers, "env_workers", minimum=1, maximum=1024)
+    max_tokens = as_count(limit if max_episode_tokens is None else max_episode_tokens,
+                          "max_episode_tokens", minimum=2, maximum=limit)
+    ps, usable = cache_config.page_size, cache_config.num_pages - 1
+    need = scheduler.pages_for(max_tokens - 1, ps)
+    if need > usable:
+        raise CacheFullError(
+            f"one episode may need {need} KV pages (max_episode_tokens {max_tokens}, "
+            f"page_size {ps}) but the pool has only {usable}; use a larger "
+            f"CacheConfig.num_pages or a smaller max_episode_tokens")
+    tasks = list(tasks)
+    return max_tokens, lambda: Driver(tasks, env_factory, sampling, tokenizer=tokenizer,
+                                      vocab_size=config.vocab_size, max_turns=max_turns,
+                                      max_tokens=max_tokens, workers=env_workers)
 
 
 def _timed(fn, *args):

@@ -199,7 +199,9 @@ class EpisodeBatch:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(e.prompt_ids) for e in self.episodes)
+        """Context tokens of every turn (what a RolloutBatch's prompts are to its samples)."""
+        return sum(len(e.prompt_ids) * len(e.turns) + sum(lo for lo, _ in e.turns)
+                   for e in self.episodes)
 
     @property
     def reused_tokens(self) -> int:
