@@ -36,6 +36,9 @@ from jaxrl_cache.rollout.env import EnvStep
 from jaxrl_cache.rollout.types import Episode, EpisodeBatch, WeightAck
 
 
+GATHER_S = 0.005  # an idle engine waits this long after an answer for the next one
+
+
 @dataclasses.dataclass
 class _State:
     """One episode's host record while it runs."""
@@ -91,9 +94,16 @@ class Driver:
 
     # ------------------------------------------------------------ host thread
     def wait(self) -> None:
-        """Blocks until an environment answered (signals still land: short waits)."""
+        """Blocks until an environment answered, then while more answers keep coming (a
+        quiet GATHER_S ends it): turns that ended together come back as one admission round
+        instead of a decode chunk each. Short sleeps, so signals still land."""
         while self._answers.empty():
-            time.sleep(0.002)
+            time.sleep(0.001)
+        seen, quiet = self._answers.qsize(), time.perf_counter() + GATHER_S
+        while seen < self.pending and time.perf_counter() < quiet:
+            time.sleep(0.001)
+            if self._answers.qsize() > seen:
+                seen, quiet = self._answers.qsize(), time.perf_counter() + GATHER_S
 
     def ready(self) -> list[scheduler.Request]:
         """Collects every answer so far; the next turns' requests, in arrival order."""
