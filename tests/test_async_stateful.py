@@ -195,4 +195,4 @@ class AsyncMachine(RuleBasedStateMachine):
 
 
 TestAsyncMachine = AsyncMachine.TestCase
-TestAsyncMachine.settings = settings(max_examples=6, stateful_step_count=4, deadline=None)
+TestAsyncMachine.settings = settings(max_examples=4, stateful_step_count=4, deadline=None)

@@ -170,7 +170,7 @@ def test_async_demo_trains_within_the_lag_and_audits_every_token(tmp_path, polic
         assert summary["mixed_tokens"] == 0
 
 
-@pytest.mark.parametrize("async_rollouts", [False, True])
+@pytest.mark.parametrize("async_rollouts", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_calculator_episodes_through_the_demo(tmp_path, async_rollouts):
     """--env calculator: multi-turn episodes end to end (warm start on both turns, GRPO on
     the environment's rewards), every sampled token audited, tool use counted."""

@@ -109,7 +109,8 @@ def dense_loss(params, episodes, advantages, loss_type):
     return loss
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", pytest.param("grpo", marks=pytest.mark.slow),
+                                       pytest.param("dr_grpo", marks=pytest.mark.slow)])
 def test_update_equals_the_dense_reference_at_any_budget(loss_type):
     """Loss, gradient norm and the SGD step (lr 1: params - gradient) of train_step equal the
     dense reference's, for the whole batch in one micro-batch and for a quarter of it."""

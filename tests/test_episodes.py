@@ -302,7 +302,7 @@ def test_text_environment_with_a_tokenizer():
     assert e.reward == 2.0
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_grpo_steps_on_episodes(mode):
     """The library loop trains on episode calls (rewards from the environments), audits
     every sampled token, and advances one version per update, in both modes."""
@@ -340,4 +340,34 @@ def test_grpo_steps_on_episodes(mode):
     finally:
         rollouts.close()
     assert int(state.version) == 4 and engine.version == 4
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_keep_between_turns_continues_over_old_kv_inside_the_lag_window(lag):
+    """kv_policy "keep", an update while every environment thinks (after turn 0): with the
+    old version still cached (lag 1) turn 1 continues over turn 0's KV and all its tokens
+    are flagged; with lag 0 that KV is gone and turn 1 re-prefills under the new version
+    (nothing flagged, each token reproduces under its own version)."""
+    engine = ForcedUpdates(CONFIG, CacheConfig(num_pages=128, page_size=PS),
+                           scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=4),
+                           backend="xla", kv_policy="keep", max_policy_lag=lag,
+                           updates={1: 1})
+    engine.sync_weights(PARAMS[0], 0)
+    sampling = SamplingParams(n=2, max_new_tokens=4, temperature=0.0)
+    batch = engine.rollout_episodes(PARAMS[0], 0, TASKS,
+                                    lambda t: TokenEnv(t, turns=2, delay=0.2), sampling,
+                                    rng=jax.random.key(0))
+    assert batch.weight_updates == 1
+    for e in batch.episodes:
+        (a0, b0), (a1, b1) = e.turns
+        assert (e.token_versions[a0:b0] == 0).all() and (e.token_versions[a1:b1] == 1).all()
+        if lag:
+            assert e.mixed_tokens is not None and e.mixed_tokens[a1:b1].all()
+            assert not e.mixed_tokens[:a1].any() and e.kv_versions == (0, 1)
+        else:
+            assert e.mixed_tokens is None
+            want = own_version_logprobs(e.as_sample(), dict(enumerate(PARAMS)), sampling)
+            np.testing.assert_allclose(e.logprobs[e.loss_mask], want[e.loss_mask], atol=2e-3)
+    assert (batch.recomputed_tokens > 0) == (lag == 0)
     assert_clean(engine)

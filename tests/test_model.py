@@ -38,8 +38,9 @@ def paged_logits(params, config, seq, cached, backend):
     return jnp.stack(out), split
 
 
-@pytest.mark.parametrize("cached", [0, 8])
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("cached,backend", [
+    (0, "xla"), (8, "xla"), (0, "interpret"),
+    pytest.param(8, "interpret", marks=pytest.mark.slow)])  # the kernels: test_kernels.py
 def test_paged_matches_dense(cached, backend):
     params = varied_params(0)
     seq = list(np.random.default_rng(0).integers(0, CONFIG.vocab_size, 27))

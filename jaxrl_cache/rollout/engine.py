@@ -307,8 +307,10 @@ class RolloutEngine:
         environment says done, after max_turns turns, when its history would pass
         max_episode_tokens (default: the model's max_seq_len), or with "error" when its
         environment raised or gave an invalid observation. Versions and syncs as `rollout`;
-        in the asynchronous modes a next turn after a weight update re-prefills its history
-        under the new version. Episodes come back in task order, episode j of task g at
+        a next turn after a weight update re-prefills its history under the new version
+        ("recompute"; "keep" while the history's version has left the cache), or continues
+        over its older KV ("keep", while that version is in the `max_policy_lag` window;
+        its tokens flagged mixed). Episodes come back in task order, episode j of task g at
         g * n + j.
         """
         version = as_version(version)
@@ -317,7 +319,8 @@ class RolloutEngine:
         max_tokens, driver = episodes.prepare(
             tasks, env_factory, sampling, tokenizer=self.tokenizer, config=self.model_config,
             cache_config=self.cache_config, max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens, env_workers=env_workers)
+            max_episode_tokens=max_episode_tokens, env_workers=env_workers,
+            keep=self.kv_policy == "keep")
         return self._run_call(params, version, _Call(sampling, rng, [], max_tokens,
                                                      episodes.batch, driver))
 

@@ -59,6 +59,7 @@ class _State:
     kv_versions: set = dataclasses.field(default_factory=set)
     cached: int = 0
     seen: int = 0  # history tokens the last turn's row had seen (its context + output)
+    kv_version: int | None = None  # the one version that wrote all of that KV (else None)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -68,8 +69,11 @@ class Driver:
     environment calls not yet collected by `ready`."""
 
     def __init__(self, tasks: list, env_factory, sampling, *, tokenizer, vocab_size: int,
-                 max_turns: int, max_tokens: int, workers: int):
+                 max_turns: int, max_tokens: int, workers: int, keep: bool = False):
+        """keep (kv_policy "keep"): a next turn may continue over its history's KV of an
+        older version while that version's entries are cached (its tokens are flagged)."""
         self.env_factory, self.tokenizer, self.vocab = env_factory, tokenizer, vocab_size
+        self.keep = keep
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.max_new = sampling.max_new_tokens
         self.states = [_State(g * sampling.n + j, g, task) for g, task in enumerate(tasks)
@@ -187,7 +191,8 @@ class Driver:
             st.finish_reason = "token_budget"
             return None
         return scheduler.Request(e, e * self.max_turns + len(st.turns), tuple(st.history),
-                                 min(self.max_new, room))
+                                 min(self.max_new, room),
+                                 st.kv_version if self.keep else None)
 
     def turn_done(self, row: scheduler.Row, turn_text) -> None:
         """A turn's row retired (its KV is cached): record it, ask its environment."""
@@ -196,8 +201,9 @@ class Driver:
             served = min(row.cached_tokens, st.seen)
             self.history_tokens += st.seen
             self.history_cached += served
-            if row.token_versions and row.token_versions[0] != st.versions[-1]:
-                self.recomputed += st.seen - served  # a weight update between turns
+            if row.token_versions and row.token_versions[0] != st.versions[-1] and \
+                    row.kv_now == {row.token_versions[0]}:
+                self.recomputed += st.seen - served  # re-prefilled after an update
         start = len(st.tokens)
         st.tokens += row.tokens
         st.history += row.tokens
@@ -210,6 +216,7 @@ class Driver:
         st.kv_versions |= row.kv_versions
         st.cached += row.cached_tokens
         st.seen = len(st.history)
+        st.kv_version = next(iter(row.kv_now)) if len(row.kv_now) == 1 else None
         self._submit(row.group, st.env.step, turn_text)
 
     def close(self) -> None:
@@ -233,7 +240,7 @@ class Driver:
 
 
 def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, max_turns,
-            max_episode_tokens, env_workers) -> tuple[int, Callable[[], Driver]]:
+            max_episode_tokens, env_workers, keep) -> tuple[int, Callable[[], Driver]]:
     """rollout_episodes' arguments checked before any work: (max tokens of an episode, a
     factory of the call's Driver). Raises TypeError/ValueError, or CacheFullError when one
     episode at its token budget could not fit the KV pool."""
@@ -258,7 +265,7 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
     tasks = list(tasks)
     return max_tokens, lambda: Driver(tasks, env_factory, sampling, tokenizer=tokenizer,
                                       vocab_size=config.vocab_size, max_turns=max_turns,
-                                      max_tokens=max_tokens, workers=env_workers)
+                                      max_tokens=max_tokens, workers=env_workers, keep=keep)
 
 
 def _timed(fn, *args):

@@ -8,6 +8,8 @@ after the prefill that writes them was dispatched.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxrl_cache.cache import PackedTokens
@@ -31,12 +33,19 @@ class Round:
         budget of this round is spent (budget None: the round's first unit, always within
         budget)."""
         run, g, prompt = self.run, first.group, first.prompt
-        got = self._claim(g, prompt, rows, first.max_new, budget)
+        old = first.kv_version if first.kv_version not in (None, run.weights.version) else None
+        if old is not None and not (self.share and self.cache.peek(
+                run.key_of(old), self._head(g, prompt))):
+            old = None  # nothing of that version left: re-prefill under the current one
+        got = self._claim(g, prompt, rows, first.max_new, budget,
+                          key=None if old is None else run.key_of(old))
         if got is None:
             return None
         matched, fresh, m = got
         unit = scheduler.layout_unit(g, prompt, first.index, matched, fresh, m, first.max_new,
                                      self.ps)
+        if old is not None:  # continues over older KV: its pages are never shared
+            return dataclasses.replace(unit, kv_version=old)
         prefix = unit.rows[0].pages[:len(prompt) // self.ps]
         if m > 1:  # every row holds one reference to each of its prefix pages
             self.cache.pool.incref(np.tile(prefix, m - 1))
@@ -64,21 +73,23 @@ class Round:
         if not self.share:
             return
         for unit, _ in units:
+            if unit.kv_version is not None:
+                continue  # written over another version's KV
             full = len(unit.prompt) // self.ps
             self.cache.insert(self.key, self.run.packed_context(unit.group, unit.prompt),
                               unit.rows[0].pages[:full])
 
-    def _claim(self, group, context, rows, n_new, budget):
-        """Pins the cached prefix of `context` (prompt `group` + outputs; trie, then this
-        round's pending prefills) and allocates fresh pages for up to `rows` rows generating
-        up to n_new tokens each. Returns (matched int32 [c], fresh int32 [f], rows granted)
-        or None, changing nothing."""
+    def _claim(self, group, context, rows, n_new, budget, key=None):
+        """Pins the cached prefix of `context` (prompt `group` + outputs; trie under `key`,
+        default the run's namespace, then this round's pending prefills) and allocates fresh
+        pages for up to `rows` rows generating up to n_new tokens each. Returns (matched
+        int32 [c], fresh int32 [f], rows granted) or None, changing nothing."""
         cache, ps = self.cache, self.ps
-        # the last token is always computed: its logits start decode
-        head = (self.run.packed_context(group, context).head(len(context) - 1)
-                if self.share else ())
-        in_trie = cache.peek(self.key, head) if self.share else 0
-        extra = self._pending_pages(head, in_trie)
+        head = self._head(group, context)
+        current = key is None
+        key = self.key if current else key
+        in_trie = cache.peek(key, head) if self.share else 0
+        extra = self._pending_pages(head, in_trie) if current else np.zeros(0, np.int32)
         cached = (in_trie + extra.size) * ps
         if budget is not None and len(context) - cached > budget:
             return None
@@ -93,7 +104,7 @@ class Round:
         else:
             return None
         try:
-            matches, fresh = cache.acquire(self.key, [head] if self.share else [],
+            matches, fresh = cache.acquire(key, [head] if self.share else [],
                                            shared + m * own)
         except CacheFullError:
             return None
@@ -101,6 +112,12 @@ class Round:
         matched = np.concatenate([matches[0].pages if matches else np.zeros(0, np.int32),
                                   extra]).astype(np.int32)
         return matched, fresh, m
+
+    def _head(self, group, context):
+        """What of `context` may come from the cache: all but its last token (always
+        computed: its logits start decode), packed; () without sharing."""
+        return (self.run.packed_context(group, context).head(len(context) - 1)
+                if self.share else ())
 
     def _pending_pages(self, head: PackedTokens, skip: int) -> np.ndarray:
         """Pages of head's full pages beyond the first `skip` that earlier units of this round

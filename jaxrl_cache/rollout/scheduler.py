@@ -46,6 +46,8 @@ class Request(NamedTuple):
     index: int  # Row.index: its place in the output and its PRNG stream
     prompt: tuple
     max_new: int
+    kv_version: int | None = None  # kv_policy "keep", an episode's next turn: the version
+    #   whose cached KV of `prompt` it may continue over (None: the run's current version)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,8 @@ class Unit:
     prompt: tuple
     cached_tokens: int  # page-aligned prefix served by the radix cache
     rows: tuple  # Row, ...; rows[0] prefills, the others copy its partial page
+    kv_version: int | None = None  # the older version whose cached KV the prefix is (kv_policy
+    #   "keep": its tokens are then mixed; its pages never enter the trie); None: the run's
 
     @property
     def new_tokens(self) -> int:
@@ -391,7 +395,8 @@ class Run:
             if unit is None:
                 break
             for row in unit.rows:
-                row.kv_now, row.kv_versions = {version}, {version}
+                row.kv_now = {version} | ({unit.kv_version} - {None})
+                row.kv_versions = set(row.kv_now)
             for _ in range(len(unit.rows)):
                 self.waiting.popleft()
             taken, free = free[:len(unit.rows)], free[len(unit.rows):]
