@@ -349,14 +349,22 @@ def test_keep_between_turns_continues_over_old_kv_inside_the_lag_window(lag):
     old version still cached (lag 1) turn 1 continues over turn 0's KV and all its tokens
     are flagged; with lag 0 that KV is gone and turn 1 re-prefills under the new version
     (nothing flagged, each token reproduces under its own version)."""
-    engine = ForcedUpdates(CONFIG, CacheConfig(num_pages=128, page_size=PS),
-                           scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=4),
-                           backend="xla", kv_policy="keep", max_policy_lag=lag,
-                           updates={1: 1})
+    class AfterFirstTurns(RolloutEngine):
+        """Syncs version 1 at the first step boundary where every episode has finished turn
+        0 and nothing decodes (all environments thinking): never inside a turn."""
+
+        def _between_steps(self, run):
+            if self.version == 0 and run.idle and all(
+                    len(st.turns) == 1 for st in run.episodes.states):
+                self.sync_weights(PARAMS[1], 1)
+
+    engine = AfterFirstTurns(CONFIG, CacheConfig(num_pages=128, page_size=PS),
+                             scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=4),
+                             backend="xla", kv_policy="keep", max_policy_lag=lag)
     engine.sync_weights(PARAMS[0], 0)
     sampling = SamplingParams(n=2, max_new_tokens=4, temperature=0.0)
     batch = engine.rollout_episodes(PARAMS[0], 0, TASKS,
-                                    lambda t: TokenEnv(t, turns=2, delay=0.2), sampling,
+                                    lambda t: TokenEnv(t, turns=2, delay=0.5), sampling,
                                     rng=jax.random.key(0))
     assert batch.weight_updates == 1
     for e in batch.episodes:

@@ -139,6 +139,15 @@ def test_math_changing_values_of_accepted_fields_are_still_refused(field, value)
         config_from_hf({**QWEN25_05B, field: value})
 
 
+def test_a_bad_rope_parameters_key_is_named_where_it_came_from():
+    """Found by the property test below: rope_parameters junk next to a legacy rope_scaling
+    object was reported as a rope_scaling field."""
+    name = next(n for n in sorted(EXPECTED) if EXPECTED[n][0].get("rope_scaling"))
+    hf = {**EXPECTED[name][0], "rope_parameters": {"": None}}
+    with pytest.raises(ConfigError, match=r"field rope_parameters\.="):
+        config_from_hf(hf)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats()
                     | st.text(max_size=4),
                     lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v,

@@ -186,24 +186,31 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
                     f"it disagrees with {other}={legacy[key]!r}")
     params = {**v5, **legacy}
     where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+
+    def at(key: str) -> str:
+        """The field a merged key came from (the legacy keys win the merge)."""
+        if key == "rope_theta" and key in legacy:
+            return key
+        return f"{'rope_scaling' if key in legacy else 'rope_parameters'}.{key}"
+
     kind = params.pop("rope_type", "default")
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
-        _refuse(source, f"{where}.rope_type", kind,
+        _refuse(source, at("rope_type"), kind,
                 "only default, linear and llama3 rotary scaling are implemented")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        _refuse(source, f"{where}.partial_rotary_factor", params["partial_rotary_factor"],
+        _refuse(source, at("partial_rotary_factor"), params["partial_rotary_factor"],
                 "only full rotary embeddings are implemented")
     params.pop("partial_rotary_factor", None)
     unknown = sorted(set(params) - _ROPE_KEYS[kind])
     if unknown:
-        _refuse(source, f"{where}.{unknown[0]}", params[unknown[0]],
+        _refuse(source, at(unknown[0]), params[unknown[0]],
                 f"not a parameter of {kind} rotary embeddings")
 
     def num(key, cast=float):
-        return _number(params, key, cast, source, label=f"{where}.{key}")
+        return _number(params, key, cast, source, label=at(key))
 
     theta = _number(params, "rope_theta", float, source, default=10000.0,
-                    label="rope_theta" if "rope_theta" in legacy else f"{where}.rope_theta")
+                    label=at("rope_theta"))
     try:
         if kind == "linear":
             return theta, RopeScaling("linear", num("factor"))
