@@ -188,10 +188,12 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
     where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
 
     def at(key: str) -> str:
-        """The field a merged key came from (the legacy keys win the merge)."""
+        """The field a merged key came from (the legacy keys win the merge); a missing one
+        is named in the object the config uses."""
         if key == "rope_theta" and key in legacy:
             return key
-        return f"{'rope_scaling' if key in legacy else 'rope_parameters'}.{key}"
+        field = "rope_scaling" if key in legacy else "rope_parameters" if key in v5 else where
+        return f"{field}.{key}"
 
     kind = params.pop("rope_type", "default")
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
