@@ -12,7 +12,7 @@ from jaxrl_cache.checks import as_real
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
-from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions
+from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
 
 
@@ -44,15 +44,8 @@ def _rows(samples) -> np.ndarray:
 
 
 def _mixed(sample, index: int) -> np.ndarray:
-    """Sample.mixed_tokens as bool [len(output_ids)] (None = no token mixed)."""
-    n = len(sample.output_ids)
-    if sample.mixed_tokens is None:
-        return np.zeros(n, bool)
-    mixed = np.asarray(sample.mixed_tokens)
-    if mixed.shape != (n,) or mixed.dtype != np.bool_:
-        raise ValueError(f"sample {index}: mixed_tokens must be None or bool [{n}], got "
-                         f"{mixed.dtype}{list(mixed.shape)}")
-    return mixed
+    """Sample.mixed_tokens (None = no token mixed), checked."""
+    return token_flags(sample, index, "mixed_tokens", False)
 
 
 def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dict,

@@ -126,17 +126,24 @@ def group_advantages_no_std(rewards: np.ndarray, groups: np.ndarray) -> np.ndarr
     return out.astype(np.float32)
 
 
-def sample_loss_mask(sample, index: int) -> np.ndarray:
-    """Sample.loss_mask as bool [len(output_ids)] (None = every output token sampled),
-    checked (ValueError naming the sample)."""
+def token_flags(sample, index: int, name: str, default: bool) -> np.ndarray:
+    """The per-token bool field `name` of a Sample (loss_mask, mixed_tokens) as bool
+    [len(output_ids)], `default` everywhere when None; checked (ValueError naming the
+    sample)."""
     n = len(sample.output_ids)
-    if sample.loss_mask is None:
-        return np.ones(n, bool)
-    mask = np.asarray(sample.loss_mask)
-    if mask.shape != (n,) or mask.dtype != np.bool_:
-        raise ValueError(f"sample {index}: loss_mask must be None or bool [{n}], got "
-                         f"{mask.dtype}{list(mask.shape)}")
-    return mask
+    value = getattr(sample, name)
+    if value is None:
+        return np.full(n, default)
+    flags = np.asarray(value)
+    if flags.shape != (n,) or flags.dtype != np.bool_:
+        raise ValueError(f"sample {index}: {name} must be None or bool [{n}], got "
+                         f"{flags.dtype}{list(flags.shape)}")
+    return flags
+
+
+def sample_loss_mask(sample, index: int) -> np.ndarray:
+    """Sample.loss_mask (None = every output token sampled), checked."""
+    return token_flags(sample, index, "loss_mask", True)
 
 
 def sample_token_versions(sample, index: int) -> np.ndarray:
