@@ -16,10 +16,11 @@ import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from jaxrl_cache import CacheConfig, SamplingParams, SchedulerConfig
 from jaxrl_cache.rollout import core
 from jaxrl_cache.rollout.env import EnvStep
 from tests.helpers import CONFIG, own_version_logprobs, varied_params
+from tests.test_async_stateful import Scripted
 
 SYSTEM = list(range(10, 18))  # two shared pages
 TASKS = [tuple(SYSTEM + [1, 2, 3]), tuple(SYSTEM + [4, 5]), (7, 8, 9, 20, 21)]
@@ -45,16 +46,6 @@ class Env:
             raise RuntimeError("env fault")
         done = self.steps >= self.turns
         return EnvStep(None if done else [1 + sum(action) % 40, 2], 1.0, done)
-
-
-class Scripted(RolloutEngine):
-    """Runs `self.script[i]` (a callable or None) at the i-th step boundary of a call."""
-    script: list = []
-
-    def _between_steps(self, run):
-        action = self.script.pop(0) if self.script else None
-        if action is not None:
-            action()
 
 
 class EpisodeMachine(RuleBasedStateMachine):
