@@ -111,9 +111,11 @@ def _directory(directory, *, create: bool) -> pathlib.Path | None:
     path = pathlib.Path(directory).resolve()
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory")
-    if path.is_dir() and (path / MARKER).is_file():
+    # One listing decides: a creator may write the marker between two separate looks.
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if MARKER in names:
         return path
-    if path.is_dir() and any(not p.name.startswith(f".{MARKER}.") for p in path.iterdir()):
+    if any(not name.startswith(f".{MARKER}.") for name in names):
         raise CheckpointError(f"{path} is not empty and holds no jaxrl_cache checkpoints "
                               f"(no {MARKER} file); refusing to touch it")
     if not create:
