@@ -105,7 +105,8 @@ def _update_memory_plan(state, batch, cfg) -> dict:
                 kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)
     core = train._train_jit_donating if cfg.donate else train._train_jit
     compiled = core.lower(state.params, state.opt_state, state.version, packed, None, None,
-                          knobs, jnp.zeros(cfg.updates, jnp.float32), nums, tx=state.tx,
+                          knobs, jnp.zeros(cfg.updates, jnp.float32), nums, jnp.float32(jnp.inf),
+                          tx=state.tx,
                           config=state.config, kind=kind, cfg=train._structure(cfg)).compile()
     m = compiled.memory_analysis()
     return {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",

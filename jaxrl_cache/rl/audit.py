@@ -15,6 +15,7 @@ from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
 
+AUDIT_TOLERANCE = 2e-3  # max |recomputed - recorded| log-prob of an attributed token
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
@@ -23,6 +24,7 @@ class AuditReport:
     num_samples: int
     num_tokens: int  # sampled output tokens of the batch (Sample.loss_mask; observation
     #                  tokens excluded) = checked + mixed + those of missing versions
+    #                  + those of `checked_elsewhere`
     flagged: tuple  # indices of samples with a checked token that does not match its version,
     #                 or a token whose version has no params
     missing_versions: tuple  # token versions (of tokens to check) with no params supplied
@@ -49,7 +51,8 @@ def _mixed(sample, index: int) -> np.ndarray:
 
 
 def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dict,
-                      config: ModelConfig, *, tolerance: float = 2e-3) -> AuditReport:
+                      config: ModelConfig, *, tolerance: float = AUDIT_TOLERANCE,
+                      checked_elsewhere: int | None = None) -> AuditReport:
     """Checks invariant 2 for every sampled output token of `batch`.
 
     An EpisodeBatch is audited through its samples (one per episode): every sampled token of
@@ -66,7 +69,8 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
     synchronous case (all tokens of a sample at its behavior version) this is one pass per
     behavior version. tolerance must be finite and >= 0 (a NaN tolerance would pass every
     sample). A sample whose token_versions, mixed_tokens or loss_mask has the wrong shape or
-    type is a ValueError naming it.
+    type is a ValueError naming it. checked_elsewhere: a version whose tokens are checked by
+    another pass (train_step's in-step audit): they are neither recomputed nor counted here.
     """
     if not isinstance(batch, (RolloutBatch, EpisodeBatch)):
         raise TypeError(f"batch must be a RolloutBatch or an EpisodeBatch, got "
@@ -81,9 +85,10 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
     versions = [sample_token_versions(s, i) for i, s in enumerate(all_samples)]
     sampled = [sample_loss_mask(s, i) for i, s in enumerate(all_samples)]
     mixed = [_mixed(s, i) & m for i, (s, m) in enumerate(zip(all_samples, sampled))]
+    skip = -1 if checked_elsewhere is None else int(checked_elsewhere)
     by_version: dict[int, list[int]] = {}  # version -> samples with tokens of it to check
     for i, (v, m, on) in enumerate(zip(versions, mixed, sampled)):
-        for version in np.unique(v[on & ~m]):
+        for version in np.unique(v[on & ~m & (v != skip)]):
             by_version.setdefault(int(version), []).append(i)
     first_bad: dict[int, int] = {}
     missing, worst, checked = set(), 0.0, 0

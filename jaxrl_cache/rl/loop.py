@@ -2,10 +2,13 @@
 a loop over `grpo_step`.
 
 One step: rollout calls (synchronous: at the trainer's version; asynchronous: drawn from a
-RolloutWorker's buffer) -> decode -> reward of every sample -> attribution audit (every
-sample, or the first `audit_samples` of each call) -> `train_step` (micro-batches, one or
-more updates) -> sync/publish of the new params -> one metrics record, read from the device
-once, with the seconds of each phase.
+RolloutWorker's buffer) -> decode -> reward of every sample -> attribution audit of the
+tokens of older versions (every sample, or the first `audit_samples` of each call) ->
+`train_step` (micro-batches, one or more updates), whose first update audits every token of
+the trainer's own version for free (the same forward pass; with one mini-batch in fp32
+compute, else those tokens are audited before it too) and applies nothing if one is off ->
+sync/publish of the new params -> one metrics record, read from the device once, with the
+seconds of each phase (audit_seconds: the separate audit only).
 
 Policy history: the params of every version a sample in flight may still hold tokens of
 (the lag window) are kept for the audit; older ones are released. Donating the trainer's
@@ -25,9 +28,10 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.rl.audit import audit_attribution
-from jaxrl_cache.rl.train import (TrainConfig, TrainState, group_advantages, make_batch,
-                                  train_step)
+from jaxrl_cache.rl.audit import AUDIT_TOLERANCE, AuditReport, audit_attribution
+from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState,
+                                  group_advantages, make_batch, sample_loss_mask,
+                                  sample_token_versions, token_flags, train_step)
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
 from jaxrl_cache.rollout.worker import RolloutWorker, SampleBuffer
 
@@ -147,6 +151,22 @@ def _episode_counters(batches: list) -> dict:
                 env_seconds=sum(b.env_seconds for b in batches if isinstance(b, EpisodeBatch)))
 
 
+def _refuse(step: int, batch, report: AuditReport) -> None:
+    if not report.ok:
+        raise RuntimeError(f"step {step}: the attribution audit flagged samples "
+                           f"{list(report.flagged)[:8]} of a call at version "
+                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
+                           f"missing versions {list(report.missing_versions)})")
+
+
+def _checked_in_step(samples, version: int) -> int:
+    """Samples with a token the train step's own audit checks (sampled at `version`, not
+    mixed)."""
+    return sum(bool((sample_loss_mask(s, i) & ~token_flags(s, i, "mixed_tokens", False)
+                     & (sample_token_versions(s, i) == version)).any())
+               for i, s in enumerate(samples))
+
+
 def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable | None, *,
               decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
               advantages: Callable = group_advantages, audit_samples: int | None = None,
@@ -156,9 +176,12 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     an EpisodeBatch and each episode's return (Episode.reward) is its reward.
     decode(token ids) -> str (used when a sample has no text of its own); history holds the
     current version's params on entry and gets the new version's. audit_samples: audit
-    the first k samples of each call (None: all). max_policy_lag: train_step's staleness
-    bound (None: history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError if the audit
-    flags a sample (a misattributed sample is never trained on)."""
+    the first k samples of each call (None: all); with one mini-batch in fp32 compute this
+    bounds only the separate audit of older versions' tokens: the train step checks every
+    token of its own version. max_policy_lag: train_step's staleness bound (None:
+    history.lag); mesh: train_step's mesh. Raises what train_step raises (but
+    AttributionFailure), and RuntimeError naming the samples if an audit flags one (a
+    misattributed sample is never trained on: the step then applies no update)."""
     if train.donate and history.lag > 0:
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")
@@ -183,6 +206,8 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     rewards = [float(s.reward) if reward is None else float(reward(meta, s, text))
                for meta, s, text in texts]
     t2 = time.perf_counter()
+    in_step = train.mini_batches == 1 and train.compute_dtype == "float32"
+    elsewhere = version if in_step else None
     audited = flagged = checked = mixed = 0
     for _, batch in parts:
         if audit_samples is None:
@@ -191,22 +216,29 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
             subset = dataclasses.replace(batch, episodes=batch.episodes[:audit_samples])
         else:
             subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
-        report = audit_attribution(subset, history.params, state.config)
+        report = audit_attribution(subset, history.params, state.config,
+                                   checked_elsewhere=elsewhere)
         audited += report.num_samples
         flagged += len(report.flagged)
         checked += report.num_checked_tokens
         mixed += report.num_mixed_tokens
-        if not report.ok:
-            raise RuntimeError(f"step {step}: the attribution audit flagged samples "
-                               f"{list(report.flagged)[:8]} of a call at version "
-                               f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
-                               f"missing versions {list(report.missing_versions)})")
+        _refuse(step, batch, report)
+        if in_step and audit_samples is not None:  # past the subset: checked in the step
+            audited += _checked_in_step(batch.samples[audit_samples:], version)
     t3 = time.perf_counter()
     batch = make_batch([b for _, b in parts], rewards, advantages=advantages)
     lag = history.lag if max_policy_lag is None else max_policy_lag
-    new_state, metrics = train_step(state, batch, train, ref_params=ref_params, mesh=mesh,
-                                    max_policy_lag=lag)
+    try:
+        new_state, metrics = train_step(state, batch, train, ref_params=ref_params, mesh=mesh,
+                                        max_policy_lag=lag,
+                                        audit_tolerance=AUDIT_TOLERANCE if in_step else None)
+    except AttributionFailure:  # nothing was applied: name the samples, as the audit does
+        for _, b in parts:
+            _refuse(step, b, audit_attribution(b, history.params, state.config))
+        raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
+    if in_step:
+        checked += int(metrics["audit_checked_tokens"])
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()

@@ -31,7 +31,9 @@ class PackedBatch:
     targets[..., t] is the token position t predicts (same segment); weights[..., t] > 0
     exactly where it is a sampled output token, and is that token's share of its
     mini-batch's loss (the loss aggregation, summing to its normaliser); behavior, versions
-    and advantages are the recorded log-prob, version and advantage of that target.
+    and advantages are the recorded log-prob, version and advantage of that target; audited
+    is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
+    another version).
     """
     tokens: jax.Array  # int32
     positions: jax.Array  # int32, restarting per sequence
@@ -41,6 +43,7 @@ class PackedBatch:
     behavior: jax.Array  # f32
     versions: jax.Array  # int32
     advantages: jax.Array  # f32
+    audited: jax.Array  # int32, 1 = sampled and not mixed
 
     @property
     def computed_tokens(self) -> int:
@@ -121,14 +124,14 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     return (reuse or best)[1:]
 
 
-def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, *,
+def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, audited, *,
          parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
          known=()) -> PackedBatch:
     """Packs samples into a PackedBatch.
 
     sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
-    versions, weights: per sample [L_i - prompt_i] (recorded log-prob, version and loss
-    weight of each output token); advantages f32 [N]; parts: sample indices of each
+    versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
+    weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
     mini-batch (in order); known: as in `plan`.
     """
     lengths = np.array([len(s) for s in sequences])
@@ -138,7 +141,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, *,
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)
            for k in ("tokens", "positions", "segments", "targets", "weights", "behavior",
-                     "versions", "advantages")}
+                     "versions", "advantages", "audited")}
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
         for r, members in enumerate(part_rows):
             m, b = divmod(r, per_micro)
@@ -154,7 +157,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, *,
                 out["targets"][row][at:at + n - 1] = seq[1:]
                 out["advantages"][row][at + p - 1:at + n - 1] = advantages[i]
                 for key, value in (("weights", weights), ("behavior", behavior),
-                                   ("versions", versions)):
+                                   ("versions", versions), ("audited", audited)):
                     out[key][row][at + p - 1:at + p - 1 + o] = value[i]
                 at += n
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})

@@ -239,7 +239,9 @@ class TrainBatch:
     Per sample i: sequences[i] int32 [L_i] prompt + output; prompt_lengths[i];
     behavior_logprobs[i] f32 [O_i] and token_versions[i] int64 [O_i] of its output tokens;
     loss_masks[i] bool [O_i], True on the tokens the policy sampled (the only ones trained
-    on; at least one per sample; behavior_logprobs is 0 elsewhere); advantages[i];
+    on; at least one per sample; behavior_logprobs is 0 elsewhere); mixed_masks[i] bool
+    [O_i], True on tokens that attended KV of another version (Sample.mixed_tokens: their
+    recorded log-prob is not checkable by a recompute); advantages[i];
     behavior_version[i] its oldest sampled token's version (staleness is measured from it).
     All samples share one sampling setting (the distribution the loss scores).
     """
@@ -248,6 +250,7 @@ class TrainBatch:
     behavior_logprobs: tuple
     token_versions: tuple
     loss_masks: tuple
+    mixed_masks: tuple
     advantages: np.ndarray  # f32 [N]
     behavior_version: np.ndarray  # int64 [N]
     sampling: SamplingParams
@@ -326,6 +329,8 @@ def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | E
         prompt_lengths=np.array([len(s.prompt_ids) for s in samples]),
         behavior_logprobs=tuple(behavior), token_versions=tuple(versions),
         loss_masks=tuple(masks), advantages=adv,
+        mixed_masks=tuple(token_flags(s, i, "mixed_tokens", False) & m
+                          for i, (s, m) in enumerate(zip(samples, masks))),
         behavior_version=np.array([int(v[m].min()) for v, m in zip(versions, masks)]),
         sampling=sp)
 
@@ -344,6 +349,15 @@ def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[n
     else:  # dr_grpo
         shares = [1.0 / (len(part) * batch.sampling.max_new_tokens)] * len(part)
     return [np.where(m, np.float32(w), np.float32(0)) for m, w in zip(masks, shares)]
+
+
+class AttributionFailure(ValueError):
+    """The step's own audit found a token off its recorded log-prob under the params that
+    claim to have sampled it; `.state` is the input state, unchanged (no update applied)."""
+
+    def __init__(self, message: str, state):
+        super().__init__(message)
+        self.state = state
 
 
 class TrainMemoryError(ValueError):
@@ -430,8 +444,9 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
         for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
             weights[i] = w
     known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), set())
+    audited = [m & ~x for m, x in zip(batch.loss_masks, batch.mixed_masks)]
     packed = pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
-                  batch.token_versions, batch.advantages, weights, parts=parts,
+                  batch.token_versions, batch.advantages, weights, audited, parts=parts,
                   token_budget=cfg.token_budget, row_multiple=row_multiple, known=known)
     _, micro, rows, width = packed.tokens.shape
     known.add((width, micro, rows))
@@ -496,17 +511,21 @@ def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, ver
         token_loss = token_loss + nums["kl_beta"] * kl
     loss = (mb.weights * token_loss).sum()
     staleness = version - mb.versions
+    check = (mb.audited > 0) & (mb.versions == version)  # tokens these very params sampled
+    gap = jnp.abs(jax.lax.stop_gradient(logp) - mb.behavior)
+    gap = jnp.where(check, jnp.where(jnp.isnan(gap), jnp.inf, gap), 0.0)
     sums = dict(tokens=mask.sum(), ratio=on(ratio).sum(),
                 ratio_max=jnp.where(mask, ratio, 0).max(),
                 clipped=((jnp.abs(ratio - 1) > clip_eps) & mask).sum(),
                 is_weight=on(is_weight).sum(), is_weight_max=jnp.where(mask, is_weight, 0).max(),
                 truncated=truncated.sum(), kl=on(kl).sum(), staleness=on(staleness).sum(),
                 staleness_max=jnp.where(mask, staleness, 0).max(),
-                newest=jnp.where(mask, mb.versions, 0).max())
+                newest=jnp.where(mask, mb.versions, 0).max(),
+                audit_diff_max=gap.max(), audit_tokens=check.sum())
     return loss, sums
 
 
-_MAXED = ("ratio_max", "is_weight_max", "staleness_max", "newest")
+_MAXED = ("ratio_max", "is_weight_max", "staleness_max", "newest", "audit_diff_max")
 
 
 def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs, lr, nums, *,
@@ -540,15 +559,20 @@ def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs,
                    is_weight_max=sums["is_weight_max"],
                    is_truncated_fraction=sums["truncated"] / tokens, kl=sums["kl"] / tokens,
                    staleness_mean=sums["staleness"] / tokens,
-                   staleness_max=sums["staleness_max"], newest_token_version=sums["newest"])
+                   staleness_max=sums["staleness_max"], newest_token_version=sums["newest"],
+                   audit_diff_max=sums["audit_diff_max"],
+                   audit_checked_tokens=sums["audit_tokens"])
     return params, opt_state, metrics
 
 
 def _train_core(params, opt_state, version, packed: PackedBatch, proximal, ref, knobs, lrs,
-                nums, *, tx, config, kind, cfg: TrainConfig):
-    """cfg.updates updates; lrs f32 [updates]. Returns (params', opt_state', version',
-    metrics of each update [updates], ok). When a loss or gradient norm is not finite, the
-    input params and optimizer state come back unchanged and ok is False."""
+                nums, tolerance, *, tx, config, kind, cfg: TrainConfig):
+    """cfg.updates updates; lrs f32 [updates]; tolerance f32 [] (inf: no audit gate).
+    Returns (params', opt_state', version', metrics of each update [updates], finite,
+    attributed). The first update scores the tokens of `version` with the very params that
+    sampled them: attributed is False if one of them is off its recorded log-prob by more
+    than tolerance. When a loss or gradient norm is not finite, or not attributed, the input
+    params and optimizer state come back unchanged."""
     def one(carry, i):
         p, s, v = carry
         u = i % cfg.mini_batches
@@ -559,10 +583,12 @@ def _train_core(params, opt_state, version, packed: PackedBatch, proximal, ref, 
 
     (new_params, new_opt, new_version), metrics = jax.lax.scan(
         one, (params, opt_state, version), jnp.arange(cfg.updates))
-    ok = jnp.isfinite(metrics["loss"]).all() & jnp.isfinite(metrics["grad_norm"]).all()
+    finite = jnp.isfinite(metrics["loss"]).all() & jnp.isfinite(metrics["grad_norm"]).all()
+    attributed = metrics["audit_diff_max"].max() <= tolerance
+    ok = finite & attributed
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
     return (keep(new_params, params), keep(new_opt, opt_state),
-            jnp.where(ok, new_version, version), metrics, ok)
+            jnp.where(ok, new_version, version), metrics, finite, attributed)
 
 
 def _structure(cfg: TrainConfig) -> TrainConfig:
@@ -581,7 +607,8 @@ _train_jit_donating = jax.jit(_train_core, static_argnames=_STATIC, donate_argnu
 def _summary(metrics: dict, version: int, updates: int) -> dict:
     """Scalars over the updates: means, maxima of the *_max keys, the last lr; per-update
     arrays under "per_update". All stay on device."""
-    out = {k: (v.max() if k.endswith("_max") or k == "newest_token_version" else v.mean())
+    out = {k: (v.max() if k.endswith("_max") or k == "newest_token_version" else
+               v.sum() if k == "audit_checked_tokens" else v.mean())
            for k, v in metrics.items()}
     out.update(lr=metrics["lr"][-1], version=jnp.int32(version + updates), updates=updates,
                per_update=metrics)
@@ -589,10 +616,17 @@ def _summary(metrics: dict, version: int, updates: int) -> dict:
 
 
 def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None = None, *,
-               ref_params=None, mesh=None, **options):
+               ref_params=None, mesh=None, audit_tolerance: float | None = None, **options):
     """`config.updates` optimizer updates on `batch`. Returns (state with version +
     updates, metrics). options: TrainConfig fields overriding `config` (e.g.
     `train_step(state, batch, max_policy_lag=1)`).
+
+    The audit for free: the first update scores every token of the state's version with
+    the params that sampled it, so it checks invariant 2 on the tokens of the first
+    mini-batch at `state.version` (sampled, not mixed): metrics audit_checked_tokens and
+    audit_diff_max (max |recomputed - recorded|). audit_tolerance (needs compute_dtype
+    float32): if one of them differs by more, no update is applied and AttributionFailure
+    (carrying the unchanged state) is raised.
 
     Metrics (device arrays, read by the caller when it wants them): loss, grad_norm,
     ratio/clip/importance-weight statistics, staleness (trainer version - token version)
@@ -609,6 +643,8 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     estimate (`estimate_step_bytes`) exceeds the available memory. Raises NonFiniteUpdate
     (carrying the unchanged state) if a loss or gradient norm came out non-finite.
     """
+    if audit_tolerance is not None:
+        audit_tolerance = as_real(audit_tolerance, "audit_tolerance", minimum=0.0)
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
     if not isinstance(batch, TrainBatch):
@@ -617,6 +653,9 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     cfg = dataclasses.replace(config or TrainConfig(), **options)
+    if audit_tolerance is not None and cfg.compute_dtype != "float32":
+        raise ValueError(f"audit_tolerance needs compute_dtype='float32' ({cfg.compute_dtype} "
+                         f"log-probs are not the sampler's to within a useful tolerance)")
     if cfg.kl_beta > 0 and ref_params is None:
         raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
     version = as_version(state.version, "state.version")
@@ -658,15 +697,23 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
                     kl_beta=jnp.float32(cfg.kl_beta),
                     dual_clip=None if cfg.dual_clip is None else jnp.float32(cfg.dual_clip))
         core = _train_jit_donating if cfg.donate else _train_jit
-        params, opt_state, new_version, metrics, ok = core(
+        tolerance = jnp.float32(np.inf if audit_tolerance is None else audit_tolerance)
+        params, opt_state, new_version, metrics, finite, attributed = core(
             state.params, state.opt_state, state.version, packed, proximal, ref, knobs,
-            jnp.asarray(lrs, jnp.float32), nums, tx=state.tx, **statics)
+            jnp.asarray(lrs, jnp.float32), nums, tolerance, tx=state.tx, **statics)
     new_state = state.replace(params=params, opt_state=opt_state, version=new_version)
     if layout is not None:
         new_state = jax.device_put(new_state, layout)
-    if not bool(ok):  # the one host read of the step
+    finite, attributed = jax.device_get((finite, attributed))  # the one host read
+    if not finite:
         loss, norm = jax.device_get((metrics["loss"], metrics["grad_norm"]))
         raise NonFiniteUpdate(f"train step at version {version} produced loss {loss.tolist()}, "
                               f"gradient norm {norm.tolist()}; refusing to return non-finite "
                               f"params", new_state)
+    if not attributed:
+        worst = float(jax.device_get(metrics["audit_diff_max"]).max())
+        raise AttributionFailure(f"train step at version {version}: a token of version "
+                                 f"{version} is {worst:.3g} off its recorded log-prob "
+                                 f"(tolerance {audit_tolerance:g}); no update applied",
+                                 new_state)
     return new_state, _summary(metrics, version, cfg.updates)

@@ -1,0 +1,165 @@
+"""The train step's own attribution audit: its first update scores the tokens of the
+trainer's version with the params that sampled them, so grpo_step audits those for free. It
+checks exactly what `audit_attribution` checks (the same tokens, the same differences),
+applies no update when a token is off, and grpo_step then names the sample; tokens of
+older versions, and every token when the step cannot check (several mini-batches), still
+go through the separate audit."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_cache.rl import audit
+from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
+from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState, make_batch,
+                                  train_step)
+from tests.helpers import CONFIG
+from tests.test_episode_training import (PARAMS, SHAPES, FixedRollouts, _state, episode,
+                                         episode_batch, tasks)
+
+TOL = audit.AUDIT_TOLERANCE
+
+
+def _shift(e, token: int, by: float = 0.1):
+    """The episode with output token `token`'s recorded log-prob moved by `by`."""
+    logp = e.logprobs.copy()
+    logp[token] += by
+    return dataclasses.replace(e, logprobs=logp)
+
+
+def _at(version: int) -> TrainState:
+    """_state()'s SGD at `version`, with that version's params."""
+    return _state().replace(params=PARAMS[version], version=jax.numpy.int32(version))
+
+
+def _two_versions(seed=3):
+    """Episodes whose first turn is version 0 and later turns version 1."""
+    rng = np.random.default_rng(seed)
+    return episode_batch([episode(rng, SHAPES[k % 3], index=k, group=k // 2,
+                                  versions=[0, 1, 1][:len(SHAPES[k % 3])])
+                          for k in range(6)], version=0)
+
+
+def test_the_step_checks_what_the_audit_checks():
+    """Synchronous batch: the step checks every sampled token, as many as the audit, and
+    its largest difference is the audit's (both ~0). Two versions, trainer at 1: the step
+    checks exactly the version-1 tokens (the audit's count with version 0 checked
+    elsewhere), and the audit of version 0 with version 1 elsewhere recomputes the rest."""
+    batch = tasks(seed=4)
+    report = audit_attribution(batch, {0: PARAMS[0]}, CONFIG)
+    _, metrics = train_step(_state(), make_batch(batch, [e.reward for e in batch.episodes]),
+                            max_policy_lag=0, audit_tolerance=TOL)
+    assert int(metrics["audit_checked_tokens"]) == report.num_checked_tokens == sum(
+        e.sampled_tokens for e in batch.episodes)
+    assert float(metrics["audit_diff_max"]) == pytest.approx(report.max_abs_diff, abs=2e-5)
+
+    mixed = _two_versions()
+    _, metrics = train_step(_at(1), make_batch(mixed, [e.reward for e in mixed.episodes]),
+                            max_policy_lag=1, audit_tolerance=TOL)
+    only_new = audit_attribution(mixed, {1: PARAMS[1]}, CONFIG, checked_elsewhere=0)
+    only_old = audit_attribution(mixed, {0: PARAMS[0]}, CONFIG, checked_elsewhere=1)
+    assert only_new.ok and only_old.ok and only_new.num_checked_tokens > 0
+    assert int(metrics["audit_checked_tokens"]) == only_new.num_checked_tokens
+    assert only_new.num_checked_tokens + only_old.num_checked_tokens == sum(
+        e.sampled_tokens for e in mixed.episodes)
+
+
+def test_an_off_token_stops_the_update():
+    """One current-version token 0.1 off: AttributionFailure, carrying the input state (no
+    update, same version); without a tolerance the step applies and reports the 0.1. The
+    same shift on an older version's token, a mixed token or an observation token is not
+    the step's to check."""
+    batch = tasks(seed=5)
+    bad = dataclasses.replace(batch, episodes=batch.episodes[:2] + [
+        _shift(batch.episodes[2], 1)] + batch.episodes[3:])
+    train = make_batch(bad, [e.reward for e in bad.episodes])
+    with pytest.raises(AttributionFailure, match="no update applied") as failed:
+        train_step(_state(), train, max_policy_lag=0, audit_tolerance=TOL)
+    assert int(failed.value.state.version) == 0
+    for a, b in zip(jax.tree.leaves(failed.value.state.params), jax.tree.leaves(PARAMS[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state, metrics = train_step(_state(), train, max_policy_lag=0)
+    assert int(state.version) == 1
+    assert float(metrics["audit_diff_max"]) == pytest.approx(0.1, abs=1e-3)
+
+    mixed = _two_versions()
+    e = mixed.episodes[0]
+    old = int(np.flatnonzero(e.loss_mask & (e.token_versions == 0))[0])
+    observation = int(np.flatnonzero(~e.loss_mask)[0])
+    flagged = np.zeros(len(e.token_ids), bool)
+    new = int(np.flatnonzero(e.loss_mask & (e.token_versions == 1))[0])
+    flagged[new] = True
+    shifted = _shift(_shift(dataclasses.replace(_shift(e, old), mixed_tokens=flagged), new),
+                     observation)
+    other = dataclasses.replace(mixed, episodes=[shifted] + mixed.episodes[1:])
+    state, metrics = train_step(_at(1), make_batch(other, [0.0] * 6), max_policy_lag=1,
+                                audit_tolerance=TOL)
+    assert int(state.version) == 2 and float(metrics["audit_diff_max"]) < TOL
+
+
+def test_bf16_compute_cannot_audit():
+    batch = tasks(seed=6)
+    with pytest.raises(ValueError, match="audit_tolerance needs compute_dtype='float32'"):
+        train_step(_state(), make_batch(batch, [0.0] * 8), compute_dtype="bfloat16",
+                   audit_tolerance=TOL)
+
+
+def _history(*versions):
+    history = PolicyHistory(lag=len(versions) - 1)
+    for v in versions:
+        history.add(v, PARAMS[v])
+    return history
+
+
+def _recomputes(monkeypatch) -> list:
+    """The separate audit's teacher-forced passes, counted."""
+    calls, real = [], audit.next_token_log_probs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(audit, "next_token_log_probs", counted)
+    return calls
+
+
+def test_grpo_step_audits_in_the_step(monkeypatch):
+    """A synchronous step recomputes nothing outside the train step and still counts every
+    sampled token as checked; a bad token raises RuntimeError naming its sample, with no
+    update published; with two mini-batches the separate audit checks every token."""
+    calls = _recomputes(monkeypatch)
+    batch = tasks(seed=7)
+    r = grpo_step(0, _state(), FixedRollouts([("m", batch)]), None, decode=str,
+                  history=_history(0)).record
+    assert calls == [] and r["audit_failed"] == 0 and r["audited_samples"] == 8
+    assert r["audit_checked_tokens"] == r["generated_tokens"] == sum(
+        e.sampled_tokens for e in batch.episodes)
+
+    k = 5
+    bad = dataclasses.replace(batch, episodes=batch.episodes[:k] + [
+        _shift(batch.episodes[k], 0)] + batch.episodes[k + 1:])
+    rollouts = FixedRollouts([("m", bad)])
+    with pytest.raises(RuntimeError, match=rf"flagged samples \[{k}\]"):
+        grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0))
+
+    two = grpo_step(0, _state(), FixedRollouts([("m", batch)]), None, decode=str,
+                    history=_history(0), train=TrainConfig(mini_batches=2)).record
+    assert calls and two["audit_checked_tokens"] == r["audit_checked_tokens"]
+
+
+def test_grpo_step_audits_older_versions_separately(monkeypatch):
+    """Trainer at version 1, tokens of 0 and 1: version 0 is recomputed (one pass), version
+    1 checked in the step; together every sampled token. audit_samples=2 bounds the separate
+    audit only: every sample still counts as audited through the step."""
+    calls = _recomputes(monkeypatch)
+    mixed = _two_versions()
+    rewards = lambda meta, e, text: float(e.reward)  # noqa: E731
+    r = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
+                  history=_history(0, 1)).record
+    assert len(calls) == 1 and r["audit_failed"] == 0
+    assert r["audit_checked_tokens"] == sum(e.sampled_tokens for e in mixed.episodes)
+    r = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
+                  history=_history(0, 1), audit_samples=2).record
+    assert r["audited_samples"] == 6
