@@ -1,8 +1,28 @@
-"""pytest-xdist starts its workers with SIGINT ignored; the interrupt tests (like users'
-programs) run under Python's default handler, which raises KeyboardInterrupt."""
+"""Test-session setup.
+
+pytest-xdist starts its workers with SIGINT ignored; the interrupt tests (like users'
+programs) run under Python's default handler, which raises KeyboardInterrupt.
+
+XLA compilations are cached on disk for the test session (and the next one), shared by the
+xdist workers and every subprocess a test starts (demo runs, a kill -9 and resume, the
+8-device and two-process suites inherit the environment): most of the suite's time is
+compiling the same programs again. JAX_COMPILATION_CACHE_DIR set by the caller wins.
+"""
+import os
+import pathlib
 import signal
 import threading
 
 if threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+import jax  # noqa: E402  (after the environment: jax reads it once, at import)
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
