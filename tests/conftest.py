@@ -26,3 +26,16 @@ import jax  # noqa: E402  (after the environment: jax reads it once, at import)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+# Files that take longest run first (`--dist loadfile` hands files to the two workers in
+# collection order): longest-first keeps the workers even instead of one finishing a long
+# file alone at the end. Order within a file is unchanged.
+LONG_FILES = ("test_multidevice.py", "test_demo.py", "test_multihost.py", "test_engine.py",
+              "test_kernels.py", "test_train_scale.py", "test_training.py",
+              "test_async_engine.py", "test_episodes.py", "test_model.py",
+              "test_engine_stateful.py", "test_episode_training.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))

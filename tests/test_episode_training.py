@@ -88,8 +88,15 @@ def rollout_batch(samples):
 
 
 @jax.jit
-def _dense(params, seq):
+def _dense_padded(params, seq):
     return teacher_forced_log_probs(params, CONFIG, seq[None], **SP.as_arrays())[0]
+
+
+def _dense(params, seq):
+    """f32 [len(seq) - 1] from the full logits, right-padded to 32 tokens (invisible to a
+    causal model: one compile, and one gradient compile, for every episode)."""
+    padded = jnp.zeros(max(32, len(seq)), jnp.int32).at[:len(seq)].set(seq)
+    return _dense_padded(params, padded)[:len(seq) - 1]
 
 
 def dense_loss(params, episodes, advantages, loss_type):

@@ -26,9 +26,12 @@ _dense = jax.jit(teacher_forced_log_probs, static_argnums=1)
 
 
 def dense_log_probs(params, seq, sp):
-    """Reference: f32 [len(seq) - 1] from the full [L, V] logits."""
-    return np.asarray(_dense(params, CONFIG, jnp.asarray(seq, jnp.int32)[None],
-                             **sp.as_arrays()))[0]
+    """Reference: f32 [len(seq) - 1] from the full [L, V] logits (right-padded to a multiple
+    of 32, invisible to a causal model: one compile for every short sequence)."""
+    padded = np.zeros((1, -(-len(seq) // 32) * 32), np.int32)
+    padded[0, :len(seq)] = seq
+    return np.asarray(_dense(params, CONFIG, jnp.asarray(padded), **sp.as_arrays()))[
+        0, :len(seq) - 1]
 
 
 def _draw(params, prompt, sp, count, rng):
@@ -269,7 +272,8 @@ def _compiled_text(sp):
     nums = dict(clip_eps=jnp.float32(0.2), is_cap=jnp.float32(2), kl_beta=jnp.float32(0),
                 dual_clip=None)
     return train._train_jit.lower(state.params, state.opt_state, state.version, packed, None,
-                                  None, knobs, jnp.ones(1, jnp.float32), nums, tx=state.tx,
+                                  None, knobs, jnp.ones(1, jnp.float32), nums, jnp.float32(jnp.inf),
+                                  tx=state.tx,
                                   config=CONFIG, kind=kind, cfg=cfg).as_text()
 
 

@@ -22,7 +22,7 @@ def engines(tensor):
             RolloutEngine(CONFIG, cache, scheduler_config=sched, backend="xla", mesh=mesh))
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("tensor", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mesh_engine_equals_single_device(tensor):
     single, sharded = engines(tensor)
     p0, p1 = common.params(0), common.params(1)
