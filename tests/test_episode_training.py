@@ -17,7 +17,7 @@ from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
 from jaxrl_cache.rl.packing import balanced_parts
 from jaxrl_cache.rl.train import TrainConfig, TrainState, make_batch, pack_batch, train_step
 from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import Episode, EpisodeBatch, RolloutBatch, Sample, WeightAck
+from jaxrl_cache.rollout.types import Episode, EpisodeBatch, RolloutBatch, WeightAck
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
 
 SP = SamplingParams(n=4, max_new_tokens=8, temperature=0.9)

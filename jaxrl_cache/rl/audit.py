@@ -17,6 +17,7 @@ from jaxrl_cache.shapes import bucket
 
 AUDIT_TOLERANCE = 2e-3  # max |recomputed - recorded| log-prob of an attributed token
 
+
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
     ok: bool

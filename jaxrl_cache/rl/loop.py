@@ -179,9 +179,10 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     the first k samples of each call (None: all); with one mini-batch in fp32 compute this
     bounds only the separate audit of older versions' tokens: the train step checks every
     token of its own version. max_policy_lag: train_step's staleness bound (None:
-    history.lag); mesh: train_step's mesh. Raises what train_step raises (but
-    AttributionFailure), and RuntimeError naming the samples if an audit flags one (a
-    misattributed sample is never trained on: the step then applies no update)."""
+    history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError
+    naming the samples if an audit flags one (a misattributed sample is never trained on:
+    the step then applies no update); train_step's AttributionFailure passes through only
+    if the separate audit then flags no sample."""
     if train.donate and history.lag > 0:
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")

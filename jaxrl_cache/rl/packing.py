@@ -13,7 +13,6 @@ as much as many steps of padding.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import flax.struct
 import jax
