@@ -94,7 +94,8 @@ def decode_vs_dense(rounds: int) -> dict:
     def paged():
         out = core.decode_chunk(
             params, state["pool"], jnp.zeros((rows, VOCAB), jnp.float32), np.zeros(rows, bool),
-            zeros, np.full(rows, ctx, np.int32), table, np.full(rows, steps, np.int32),
+            zeros, np.full(rows, ctx, np.int32), table, np.zeros(0, np.int32),
+            np.full(rows, steps, np.int32),
             np.arange(rows, dtype=np.int32), zeros, -np.ones(1, np.int32), np.int32(rows + 1),
             **knobs, key=jax.random.key(0), config=CONFIG, backend="xla", steps=steps)
         state["pool"] = out[-1]

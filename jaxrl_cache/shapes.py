@@ -16,3 +16,12 @@ def page_width_bucket(n: int) -> int:
         return next_power_of_2(n)
     step = 1 << (n.bit_length() - 3)
     return -(-n // step) * step
+
+
+def page_width_floor(n: int) -> int:
+    """The largest `page_width_bucket` value <= n (0 for 0): a shared page count cut down to
+    few distinct shapes."""
+    if n <= 8:
+        return 0 if n <= 0 else 1 << (n.bit_length() - 1)
+    step = 1 << (n.bit_length() - 3)
+    return n // step * step

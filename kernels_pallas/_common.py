@@ -80,15 +80,18 @@ def gather_kv(k_pages, v_pages, page_table):
 
     k_pages, v_pages [N, Hkv, ps, D] flat pools; page_table int32 [R, W] (already offset) ->
     k [R, Hkv, D, W * ps] (keys transposed: q @ k contracts k's rows, no transposed-operand
-    matmul), v [R, Hkv, W * ps, D] (gathered as (page, head) rows of [ps, D], no transpose).
+    matmul), v [R, Hkv, W * ps, D].
     """
     rows, width = page_table.shape
-    _, num_kv_heads, page_size, head_dim = k_pages.shape
-    k = jnp.transpose(k_pages[page_table], (0, 2, 4, 1, 3))  # [R, Hkv, D, W, ps]
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+
+    def pages(pool):  # whole pages as rows of one 2-D gather (XLA:CPU copies rows fastest)
+        rows_of = pool.reshape(num_pages, -1)[page_table]  # [R, W, Hkv * ps * D]
+        return rows_of.reshape(rows, width, num_kv_heads, page_size, head_dim)
+
+    k = jnp.transpose(pages(k_pages), (0, 2, 4, 1, 3))  # [R, Hkv, D, W, ps]
     k = k.reshape(rows, num_kv_heads, head_dim, width * page_size)
-    head_rows = page_table[:, None, :] * num_kv_heads + jnp.arange(num_kv_heads,
-                                                                     dtype=jnp.int32)[:, None]
-    v = v_pages.reshape(-1, page_size, head_dim)[head_rows]  # [R, Hkv, W, ps, D]
+    v = jnp.transpose(pages(v_pages), (0, 2, 1, 3, 4))  # [R, Hkv, W, ps, D]
     v = v.reshape(rows, num_kv_heads, width * page_size, head_dim)
     return k.astype(jnp.float32), v.astype(jnp.float32)
 

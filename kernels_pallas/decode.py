@@ -213,12 +213,15 @@ def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, pl
 
 
 def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
-                           sm_scale=None):
+                           sm_scale=None, shared_pages=None):
     """Pure-jnp paged decode: gathers each row's pages once, then dense masked attention.
 
     q [B, Hq, D]; k_pages/v_pages [P, Hkv, page_size, D] or [L, P, Hkv, page_size, D] with
     `layer`; page_table int32 [B, W]; seq_lens int32 [B] -> [B, Hq, D]. This is the `xla`
     backend (the fast CPU path); it gathers the table's pages of one layer, never the layer.
+    shared_pages int32 [S] (optional): the first S pages of every row (a shared prompt),
+    gathered once and attended by all rows in one matmul; page_table then holds each row's
+    pages after them (positions S * page_size on). Shared pages must be fully written.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[-3]
@@ -230,14 +233,20 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     k, v = c.gather_kv(k_pages, v_pages, page_table)
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     s = jnp.einsum("bhgd,bhdl->bhgl", qg, k, preferred_element_type=jnp.float32) * scale
-    valid = jnp.arange(v.shape[2])[None, :] < seq_lens[:, None]  # [B, L]
+    shared = 0 if shared_pages is None else shared_pages.shape[0] * k_pages.shape[-2]
+    if shared:  # score index = absolute position: the shared keys come first
+        k_shared, v_shared = c.gather_kv(k_pages, v_pages, shared_pages[None] + page_offset)
+        s = jnp.concatenate([jnp.einsum("bhgd,hdl->bhgl", qg, k_shared[0]) * scale, s], -1)
+    valid = jnp.arange(s.shape[-1])[None, :] < seq_lens[:, None]  # [B, L]
     s = jnp.where(valid[:, None, None, :], s, c.MASK_VALUE)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))
     p = jnp.where(valid[:, None, None, :], p, 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    v = jnp.where(valid[:, None, :, None], v, 0.0)  # free slots may hold NaN/Inf
-    out = jnp.einsum("bhgl,bhld->bhgd", p, v)
+    v = jnp.where(valid[:, None, shared:, None], v, 0.0)  # free slots may hold NaN/Inf
+    out = jnp.einsum("bhgl,bhld->bhgd", p[..., shared:], v)
+    if shared:
+        out = out + jnp.einsum("bhgl,hld->bhgd", p[..., :shared], v_shared[0])
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -245,7 +254,8 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     "sm_scale", "backend", "max_kv_len", "num_sms", "pages_per_block", "num_splits",
     "num_warps", "num_stages"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
-                           sm_scale=None, backend="auto", max_kv_len=None, num_sms=None,
+                           shared_pages=None, sm_scale=None, backend="auto", max_kv_len=None,
+                           num_sms=None,
                            pages_per_block=None, num_splits=None, num_warps=4, num_stages=2):
     """Attention of one query token per sequence over its pages.
 
@@ -254,6 +264,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     page_table int32 [B, W] (unused slots hold 0); seq_lens int32 [B] (0 = padded row).
     Returns [B, Hq, D] in q's dtype; fp32 accumulation; rows with seq_len 0 are zeros.
     Only keys below seq_len are read into the result: NaN/Inf in free slots never leak.
+    shared_pages int32 [S] (optional): pages every row starts with, before its page_table
+    (see paged_decode_reference; the xla backend attends them once for all rows, the
+    kernels read them through each row's table).
     Kernel planning (static, see `plan_decode`): max_kv_len, a bucketed upper bound of
     seq_lens (speed only, never correctness); num_sms (default: the GPU's, else 132).
     """
@@ -262,6 +275,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     c.check_pages("q", q, k_pages, v_pages, layer)
     c.check_int32("page_table", page_table)
     c.check_int32("seq_lens", seq_lens)
+    if shared_pages is not None:
+        c.check_int32("shared_pages", shared_pages)
+        if shared_pages.ndim != 1:
+            raise ValueError(f"shared_pages must be [S], got shape {shared_pages.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
         raise ValueError(f"page_table must be [B={q.shape[0]}, W], got shape {page_table.shape}")
     if seq_lens.shape != (q.shape[0],):
@@ -270,7 +287,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     scale = c.default_scale(sm_scale, q.shape[-1])
     if backend == "xla":
         return paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, layer=layer,
-                                      sm_scale=scale)
+                                      sm_scale=scale, shared_pages=shared_pages)
+    if shared_pages is not None and shared_pages.shape[0]:
+        page_table = jnp.concatenate(
+            [jnp.broadcast_to(shared_pages, (q.shape[0], shared_pages.shape[0])), page_table], 1)
     c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
     batch, num_q_heads, head_dim = q.shape
     *_, num_kv_heads, page_size, _ = k_pages.shape

@@ -269,7 +269,8 @@ class TestScheduler:
 
 def test_compiles_once_per_shape_bucket(monkeypatch):
     """Prompt lengths, partial pages, group sizes, prompt counts, max_new_tokens, params,
-    versions and sampling knobs vary. Expected compiles: decode once per table-width bucket,
+    versions and sampling knobs vary. Expected compiles: decode once per (table width, shared
+    pages) bucket,
     prefill once per (packed tokens, sequences, width) bucket; the second pass, with new
     params, versions, knobs and prompt contents, compiles nothing."""
     engine = make_engine(num_pages=160)
@@ -281,7 +282,7 @@ def test_compiles_once_per_shape_bucket(monkeypatch):
         return real_prefill(params, kv, tokens, token_seq, token_pos, table, *rest, **kw)
 
     def decode_spy(*args, **kw):
-        decode_widths.add(args[6].shape)  # page_table
+        decode_widths.add((args[6].shape, args[7].shape))  # page_table, shared_pages
         return real_decode(*args, **kw)
 
     monkeypatch.setattr(rollout_core, "prefill_step", prefill_spy)

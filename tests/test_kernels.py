@@ -273,6 +273,38 @@ def test_poisoned_free_slots_do_not_leak(backend):
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("layer", [None, 1])
+def test_decode_shared_prefix_pages(backend, layer):
+    """Rows that start with the same pages (a shared prompt) passed once as shared_pages,
+    their tables holding only the rest, match numpy over each row's whole table; free slots
+    poisoned, a padded row (length 0) stays zero."""
+    rng = np.random.default_rng(13)
+    page_size, shared, width = 8, 2, 3
+    lens = [2 * page_size + 1, 3 * page_size + 5, 2 * page_size + page_size, 0]
+    num_pages = shared + len(lens) * width + 2
+    k_pages, v_pages = random_pool(rng, num_pages, 2, page_size, 64, jnp.float32,
+                                   None if layer is None else 2)
+    pages = rng.permutation(np.arange(1, num_pages))
+    common, rest = pages[:shared], pages[shared:shared + len(lens) * width]
+    full = np.concatenate([np.broadcast_to(common, (len(lens), shared)),
+                           rest.reshape(len(lens), width)], 1).astype(np.int32)
+    full[3] = 0  # the padded row has no table
+    if layer is None:
+        k_pages, v_pages, full = poison_unused(k_pages, v_pages, full, lens)
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.float32)
+    layer_args, kf, vf = stacked_args(k_pages, v_pages, layer)
+    out = paged_decode_attention(q, k_pages, v_pages, jnp.asarray(full[:, shared:]),
+                                 jnp.asarray(lens, jnp.int32), backend=backend,
+                                 shared_pages=jnp.asarray(common, jnp.int32), **layer_args)
+    qf = np.asarray(q, np.float64)
+    for b, n in enumerate(lens[:3]):
+        ref = dense_attention(qf[b:b + 1], gather_tokens(kf, full[b], n),
+                              gather_tokens(vf, full[b], n), [n - 1], 64 ** -0.5)
+        np.testing.assert_allclose(np.asarray(out[b], np.float64), ref[0], **TOL[jnp.float32])
+    np.testing.assert_array_equal(np.asarray(out[3]), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_head_dims_not_a_power_of_two(backend, head_dim):
     """Phi-2's 80 and 96 run as power-of-two chunks (64 + 16, 64 + 32) against numpy.

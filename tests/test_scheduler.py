@@ -115,6 +115,13 @@ def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     assert arrays.budget.tolist() == [5, 0, 3]
     assert arrays.emitted.tolist() == [0, 0, 2]
     assert arrays.page_table[2].tolist() == [4, 6, 0, 0]
+    assert arrays.shared_pages.size == 0
+    # page 4 is both rows' first page and neither writes it (positions 3, 4 >= page size 2)
+    assert scheduler.shared_prefix(slots, page_size=2) == 1
+    assert scheduler.shared_prefix(slots, page_size=4) == 0  # row 0 writes page 4 next
+    cut = scheduler.pack_decode(slots, width=4, shared=1)
+    assert cut.shared_pages.tolist() == [4] and cut.page_table[[0, 2]].tolist() == [
+        [5, 0, 0], [6, 0, 0]]
     tokens = np.array([[9, 9, 0], [0, 0, 0], [1, 2, 3]], np.int32)
     logprobs = -np.ones((3, 3), np.float32)
     done = scheduler.apply_chunk(slots, tokens, logprobs, np.array([2, 0, 3]),

@@ -216,15 +216,16 @@ def _paged_attend(kernel: Callable, page_table, token_seq, token_pos):
     The pool [L, P, ...] is viewed as one flat pool [L * P, ...] (a free reshape) and layer
     l's pages are addressed as l * P + page: the K/V write is a scatter at those pages and
     the attention kernel reads them through the shifted page table.
-    kernel(q, k_flat, v_flat, page_table) -> out.
+    kernel(q, k_flat, v_flat, page_table, layer_offset) -> out.
     """
     def attend(layer, q, k, v, kv_cache):
         k_pool, v_pool = kv_cache
-        table = page_table + layer * k_pool.shape[1]
+        offset = layer * k_pool.shape[1]
+        table = page_table + offset
         k_flat, v_flat = write_kv(k_pool.reshape(-1, *k_pool.shape[2:]),
                                   v_pool.reshape(-1, *v_pool.shape[2:]), k, v, table,
                                   token_seq, token_pos)
-        out = kernel(q, k_flat, v_flat, table)
+        out = kernel(q, k_flat, v_flat, table, offset)
         return out, (k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape))
     return attend
 
@@ -238,7 +239,7 @@ def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, to
     to return). kv_cache: (k, v) each [L, P, Hkv, ps, D] (`init_kv_cache`).
     Returns (logits f32 [S, V], kv_cache').
     """
-    def kernel(q, k_flat, v_flat, table):
+    def kernel(q, k_flat, v_flat, table, _):
         return paged_prefill_attention(q, k_flat, v_flat, table, cu_q_lens, kv_lens,
                                        backend=backend)
 
@@ -248,20 +249,27 @@ def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, to
     return lm_logits(params, config, x[logit_index]), kv_cache
 
 
-def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, page_table, *,
-                   backend: str):
+def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, page_table,
+                   shared_pages=None, *, backend: str):
     """One decode step for a batch of rows; writes each row's KV at its position.
 
     tokens int32 [B]; positions int32 [B] (-1 = inactive row); page_table int32 [B, W];
-    kv_cache (k, v) each [L, P, Hkv, ps, D]. Returns (logits f32 [B, V], kv_cache').
+    kv_cache (k, v) each [L, P, Hkv, ps, D]. shared_pages int32 [S] (optional): the first S
+    pages of every row's table, common to all rows and never written here (S * ps <= every
+    live position); page_table then holds each row's pages after them.
+    Returns (logits f32 [B, V], kv_cache').
     """
     rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     seq_lens = jnp.maximum(positions + 1, 0)
+    shared_tokens = 0 if shared_pages is None else shared_pages.shape[0] * kv_cache[0].shape[-2]
+    table_pos = jnp.where(positions >= 0, positions - shared_tokens, -1)  # in page_table
 
-    def kernel(q, k_flat, v_flat, table):
-        return paged_decode_attention(q, k_flat, v_flat, table, seq_lens, backend=backend)
+    def kernel(q, k_flat, v_flat, table, offset):
+        shared = None if shared_pages is None else shared_pages + offset
+        return paged_decode_attention(q, k_flat, v_flat, table, seq_lens, shared_pages=shared,
+                                      backend=backend)
 
-    attend = _paged_attend(kernel, page_table, rows, positions)
+    attend = _paged_attend(kernel, page_table, rows, table_pos)
     x = params["embed"][tokens]
     x, kv_cache = _decoder(params, config, x, jnp.maximum(positions, 0), attend, kv_cache)
     return lm_logits(params, config, x), kv_cache

@@ -51,12 +51,13 @@ def row_keys(key, sample_index, emitted):
 @functools.partial(jax.jit, static_argnames=("config", "backend", "steps", "mesh"),
                    donate_argnames=("kv_cache",))
 def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
-                 budget, sample_index, emitted, stop_ids, refill_at, temperature, top_p, top_k,
+                 shared_pages, budget, sample_index, emitted, stop_ids, refill_at, temperature, top_p, top_k,
                  key, *, config: ModelConfig, backend: str, steps: int, mesh=None):
     """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
 
     fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,
-    position int32 [B] (see scheduler.DecodeArrays); page_table int32 [B, W]; budget int32 [B]
+    position int32 [B] (see scheduler.DecodeArrays); page_table int32 [B, W - S] and
+    shared_pages int32 [S] (pages common to every row, cut from the table); budget int32 [B]
     tokens a slot may still emit (0 = empty); sample_index, emitted int32 [B] (PRNG streams);
     stop_ids int32 [K] (-1 = none); mesh: run the forward tensor-parallel (params laid out by
     parallel.rollout_shardings, pool by parallel.engine_kv_cache); refill_at int32 []: stop early once this many slots have
@@ -79,7 +80,7 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
         first = live & fresh & (step == 0)
         forward = live & ~first
         logits, kv = forward_fn(params, config, kv, last, jnp.where(forward, pos, -1),
-                                page_table, backend=backend)
+                                page_table, shared_pages, backend=backend)
         logits = jnp.where(first[:, None], fresh_logits, logits)
         keys = row_keys(key, sample_index, emitted + counts)
         tok, logp = sample_tokens(logits, keys, temperature, top_p, top_k)

@@ -17,6 +17,7 @@ from jaxrl_cache import parallel
 from jaxrl_cache.models import ModelConfig, init_kv_cache
 from jaxrl_cache.rollout import core, scheduler
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig
+from jaxrl_cache.shapes import page_width_floor
 from kernels_pallas._common import next_power_of_2
 
 
@@ -89,7 +90,12 @@ class Runner:
         cfg = self.scheduler_config
         width = scheduler.slot_bucket(run.slots)
         slots = run.slots[:width] + [None] * (width - len(run.slots))
-        arrays = scheduler.pack_decode(slots, run.width)
+        shared = 0  # the kernels read shared pages through every row's table anyway
+        if self.backend == "xla":
+            # at least one column stays per row (a row may only read shared pages)
+            shared = page_width_floor(min(scheduler.shared_prefix(slots, run.ps),
+                                          run.width - 1))
+        arrays = scheduler.pack_decode(slots, run.width, shared)
         refill_at = cfg.max_num_seqs + 1
         if run.waiting:
             refill_at = max(1, min(len(run.waiting), cfg.max_num_seqs // 4))
@@ -100,7 +106,8 @@ class Runner:
             fresh_logits = _resize_rows(fresh_logits, width)
         out = core.decode_chunk(
             run.weights.params, self.kv, fresh_logits, arrays.fresh,
-            arrays.last_token, arrays.position, arrays.page_table, arrays.budget,
+            arrays.last_token, arrays.position, arrays.page_table, arrays.shared_pages,
+            arrays.budget,
             arrays.sample_index, arrays.emitted, run.stops, np.int32(refill_at),
             **run.knobs, key=run.rng, config=self.model_config, backend=self.backend,
             steps=cfg.chunk_steps, mesh=self.mesh)

@@ -137,6 +137,19 @@ def warped_logits(logits, temperature, top_p, top_k, kind: str):
     return jnp.where(greedy, scaled, _filter(kind, scaled, top_p, jnp.where(use_k, top_k, 0)))
 
 
+def _warped_at_run_time(logits, temperature, top_p, top_k):
+    """`warped_logits` with the filter picked from the traced knobs by `lax.switch` (only the
+    branch the knobs select runs)."""
+    greedy = temperature <= 0
+    cap = min(TOP_K_CAP, logits.shape[-1])
+    use_k = (top_k > 0) & ~greedy
+    use_p = (top_p < 1.0) & ~greedy
+    branch = jnp.where(~use_k & ~use_p, 0, jnp.where(use_k & (top_k <= cap), 1, 2))
+    return jax.lax.switch(
+        branch, [lambda l, kind=kind: warped_logits(l, temperature, top_p, top_k, kind)
+                 for kind in FILTERS], logits)
+
+
 def behavior_log_probs(logits, temperature, top_p, top_k):
     """logits f32 [..., V] -> log-probs [..., V] of the sampling distribution (see module doc).
 
@@ -145,21 +158,53 @@ def behavior_log_probs(logits, temperature, top_p, top_k):
     Scorers that know the setting statically use `warped_logits(..., filter_kind(...))`,
     which computes the same values without compiling the other branches.
     """
-    greedy = temperature <= 0
-    cap = min(TOP_K_CAP, logits.shape[-1])
-    use_k = (top_k > 0) & ~greedy
-    use_p = (top_p < 1.0) & ~greedy
-    branch = jnp.where(~use_k & ~use_p, 0, jnp.where(use_k & (top_k <= cap), 1, 2))
-    filtered = jax.lax.switch(
-        branch, [lambda l, kind=kind: warped_logits(l, temperature, top_p, top_k, kind)
-                 for kind in FILTERS], logits)
-    return jax.nn.log_softmax(filtered, axis=-1)
+    return jax.nn.log_softmax(_warped_at_run_time(logits, temperature, top_p, top_k), axis=-1)
+
+
+DRAW_BLOCK = 128  # vocabulary block of the two-level inverse CDF
+
+
+def _last_positive(mass):
+    """mass f32 [B, N] >= 0 -> index int32 [B] of each row's last positive entry."""
+    n = mass.shape[-1]
+    return (n - 1 - jnp.argmax(mass[:, ::-1] > 0, axis=-1)).astype(jnp.int32)
+
+
+def _draw(warped, keys):
+    """warped f32 [B, V] (-inf = excluded, one finite entry per row at least), keys [B] ->
+    (tokens int32 [B], log_normaliser f32 [B]).
+
+    Exact inverse-CDF sampling from softmax(warped) with one uniform per row: the row's
+    mass is cut into blocks of DRAW_BLOCK tokens; a cumulative sum over the block masses
+    picks the block, one over that block picks the token. One pass over [B, V] (exp and
+    block sums), unlike Gumbel-max's V random draws per row. Rounding can never pick an
+    excluded token: the search only stops on a positive mass, clamped to the last one.
+    log_normaliser: logsumexp of the row, so a token's log-prob is warped[token] - it.
+    """
+    rows, vocab = warped.shape
+    pad = -vocab % DRAW_BLOCK
+    top = jnp.max(warped, axis=-1, keepdims=True)
+    mass = jnp.exp(jnp.pad(warped, ((0, 0), (0, pad)), constant_values=-jnp.inf) - top)
+    mass = mass.reshape(rows, -1, DRAW_BLOCK)  # [B, NB, blk]
+    block_mass = jnp.sum(mass, axis=-1)  # [B, NB]
+    cdf = jnp.cumsum(block_mass, axis=-1)
+    u = jax.vmap(jax.random.uniform)(keys)  # [B] in [0, 1)
+    target = u * cdf[:, -1]
+    block = jnp.minimum(jnp.sum(cdf <= target[:, None], axis=-1), _last_positive(block_mass))
+    inner = jnp.take_along_axis(mass, block[:, None, None], axis=1)[:, 0]  # [B, blk]
+    before = jnp.take_along_axis(cdf - block_mass, block[:, None], axis=1)[:, 0]
+    rest = jnp.maximum(target - before, 0.0)
+    within = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= rest[:, None], axis=-1),
+                         _last_positive(inner))
+    tokens = (block * DRAW_BLOCK + within).astype(jnp.int32)
+    return tokens, top[:, 0] + jnp.log(cdf[:, -1])
 
 
 def sample_tokens(logits, keys, temperature, top_p, top_k):
     """logits f32 [B, V], keys [B] (one PRNG key per row) -> (tokens int32 [B],
-    behavior logprobs f32 [B]). Per-row keys make a row's draw independent of its batch."""
-    logp = behavior_log_probs(logits, temperature, top_p, top_k)
-    drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp)
+    behavior logprobs f32 [B]). Per-row keys make a row's draw independent of its batch;
+    a draw depends only on its key (one uniform, `_draw`)."""
+    warped = _warped_at_run_time(logits, temperature, top_p, top_k)
+    drawn, log_normaliser = _draw(warped, keys)
     tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.take_along_axis(warped, tokens[:, None], axis=-1)[:, 0] - log_normaliser

@@ -184,7 +184,8 @@ class DecodeArrays:
     fresh: np.ndarray  # bool [B] first token comes from the prefill logits
     last_token: np.ndarray  # int32 [B] token whose KV the next step writes
     position: np.ndarray  # int32 [B] its position (fresh rows: the prompt length)
-    page_table: np.ndarray  # int32 [B, W]
+    page_table: np.ndarray  # int32 [B, W - S] each row's pages after the shared ones
+    shared_pages: np.ndarray  # int32 [S] first pages of every decoding row (shared_prefix)
     budget: np.ndarray  # int32 [B] tokens the row may still emit (0 = empty slot)
     sample_index: np.ndarray  # int32 [B] Row.index (its PRNG stream)
     emitted: np.ndarray  # int32 [B] tokens emitted so far (position in its PRNG stream)
@@ -204,13 +205,36 @@ def slot_bucket(slots: list) -> int:
     return min(rows, max(len(slots), MIN_DECODE_ROWS))
 
 
-def pack_decode(slots: list, width: int) -> DecodeArrays:
-    """slots: Row or None per decode slot."""
+def _next_position(row: Row) -> int:
+    """Position whose KV the row's next decode step writes (fresh rows: the prompt length)."""
+    return len(row.prompt) + len(row.tokens) - (0 if row.fresh else 1)
+
+
+def shared_prefix(slots: list, page_size: int) -> int:
+    """Leading pages every decoding row's table holds in common (the same physical pages: a
+    shared system prompt, one prompt's group), all before any row's next write, so no row
+    writes them in the chunk. 0 unless at least two rows decode."""
+    live = [row for row in slots if row is not None and not row.resume]
+    if len(live) < 2:
+        return 0
+    first = live[0].pages
+    n = min(min(_next_position(row) // page_size, row.pages.size) for row in live)
+    for row in live[1:]:
+        differ = np.flatnonzero(row.pages[:n] != first[:n])
+        n = int(differ[0]) if differ.size else n
+    return n
+
+
+def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
+    """slots: Row or None per decode slot; width: the run's table width. shared: leading
+    pages common to every decoding row (<= `shared_prefix`), sent once as shared_pages and
+    cut from page_table (then [B, width - shared])."""
     b = len(slots)
     fresh = np.zeros(b, bool)
     last = np.zeros(b, np.int32)
     pos = np.zeros(b, np.int32)
-    table = np.zeros((b, width), np.int32)
+    table = np.zeros((b, width - shared), np.int32)
+    shared_pages = np.zeros(shared, np.int32)
     budget = np.zeros(b, np.int32)
     index = np.zeros(b, np.int32)
     emitted = np.zeros(b, np.int32)
@@ -220,12 +244,13 @@ def pack_decode(slots: list, width: int) -> DecodeArrays:
         n = len(row.tokens)
         fresh[i] = row.fresh
         last[i] = row.tokens[-1] if n else 0
-        pos[i] = len(row.prompt) + n - (0 if row.fresh else 1)
-        table[i, :row.pages.size] = row.pages
+        pos[i] = _next_position(row)
+        table[i, :row.pages.size - shared] = row.pages[shared:]
+        shared_pages[:] = row.pages[:shared]
         budget[i] = row.max_new - n
         index[i] = row.index
         emitted[i] = n
-    return DecodeArrays(fresh, last, pos, table, budget, index, emitted)
+    return DecodeArrays(fresh, last, pos, table, shared_pages, budget, index, emitted)
 
 
 def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
