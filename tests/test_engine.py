@@ -328,6 +328,28 @@ def test_resident_params_are_copies_of_the_callers_arrays():
         dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
 
 
+def test_released_weights_come_back_at_the_next_call():
+    """release_weights frees the resident copy (the synchronous loop's train phase); version
+    and prefix cache stay, and the next rollout at that version re-copies the params, hits
+    the cache and generates what it did before."""
+    params = varied_params(0)
+    engine = make_engine()
+    first = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    stats = engine.cache_stats()
+    engine.release_weights()
+    assert engine._weights.params is None and engine.version == 0
+    assert engine.cache_stats() == stats
+    again = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert again.cached_tokens > 0
+    assert [s.output_ids for s in again.samples] == [s.output_ids for s in first.samples]
+    engine.release_weights()
+    newer = varied_params(1)
+    engine.sync_weights(newer, 1)  # a sync after a release: a normal newer version
+    batch = engine.rollout(newer, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == [
+        dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
+
+
 def test_non_finite_params_are_refused_at_sync():
     engine = make_engine()
     bad = jax.tree.map(lambda x: x, varied_params(0))

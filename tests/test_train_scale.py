@@ -13,7 +13,7 @@ from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.models.llama import forward
 from jaxrl_cache.rl import train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
-from jaxrl_cache.rl.packing import SHAPE_REUSE, balanced_parts, plan
+from jaxrl_cache.rl.packing import SHAPE_REUSE, balanced_parts, plan, scored_columns
 from jaxrl_cache.rl.train import (TrainConfig, TrainMemoryError, TrainState, check_memory,
                                   estimate_step_bytes, group_advantages_no_std, make_batch,
                                   optimizer_counts, pack_batch, train_step)
@@ -114,6 +114,40 @@ def test_packed_rows_equal_separate_rows():
         np.testing.assert_allclose(got[at:at + len(s) - 1], dense_log_probs(params, s, sp),
                                    atol=2e-5)
         at += len(s)
+
+
+def test_scored_columns_score_only_those_positions():
+    """The LM head on the scored columns alone: the same log-probs there as the full pass,
+    0 elsewhere; gradients of a loss on those positions equal too. scored_columns lists
+    each row's weighted columns in order, padded with R."""
+    weights = np.zeros((2, 3, 40), np.float32)
+    weights[0, 1, [3, 4, 9]] = 0.5
+    weights[1, 2, 30:40] = 1.0
+    cols = scored_columns(weights)
+    assert cols.shape == (2, 3, 32)  # 10 at most, rounded up to 32 (at most R = 40)
+    assert cols[0, 1, :4].tolist() == [3, 4, 9, 40] and (cols[0, 0] == 40).all()
+    assert cols[1, 2, :10].tolist() == list(range(30, 40))
+    params, sp = varied_params(3), SamplingParams(temperature=0.8)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (3, 40)), jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    knobs, kind = sp.as_arrays(), "none"
+    mask = jnp.asarray(weights[1])
+
+    def loss(p, scored):
+        logp = token_log_probs(p, CONFIG, tokens, targets, knobs, kind=kind, chunk=16,
+                               scored=scored)
+        return (logp * mask).sum(), logp
+
+    (full_loss, full), full_grad = jax.value_and_grad(loss, has_aux=True)(params, None)
+    (cut_loss, cut), cut_grad = jax.value_and_grad(loss, has_aux=True)(
+        params, jnp.asarray(cols[1]))
+    keep = np.asarray(mask) > 0
+    np.testing.assert_allclose(np.asarray(cut)[keep], np.asarray(full)[keep], atol=2e-5)
+    assert (np.asarray(cut)[~keep] == 0).all()
+    np.testing.assert_allclose(cut_loss, full_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(cut_grad), jax.tree.leaves(full_grad)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def _state(seed=0, lr=1e-2, tx=None):

@@ -308,3 +308,27 @@ def test_a_rollout_that_moves_the_version_reports_the_syncs_own_time(engine, sta
     b = engine.rollout(varied_params(3), 1, PROMPTS, long, rng=jax.random.key(1))
     assert b.sync_ack is not None and b.sync_ack.version == 1
     assert b.decode_steps >= 23 and b.sync_ack.seconds < 0.5 * b.seconds
+
+
+def test_sync_loop_trains_while_the_engine_holds_no_weights(engine, state, monkeypatch):
+    """SyncRollouts releases the engine's copy after its calls: the trainer's update runs
+    with the only copy of the params (peak memory), and the publish brings them back."""
+    from jaxrl_cache.rl import loop
+    from jaxrl_cache.rl.train import TrainConfig
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(engine._weights.params is None)
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", spy)
+    rollouts = loop.SyncRollouts(engine, lambda call: (PROMPTS, None), SP, calls=1,
+                                 key=jax.random.key(0))
+    history = loop.PolicyHistory(0)
+    history.add(0, state.params)
+    result = loop.grpo_step(0, state, rollouts, lambda meta, sample, text: float(
+        sample.output_ids[0] % 3), decode=str, history=history, train=TrainConfig())
+    assert seen == [True]
+    assert engine.version == 1 and engine._weights.params is not None
+    assert result.record["audit_failed"] == 0

@@ -24,16 +24,32 @@ LOGPROB_CHUNK = 512  # positions (rows x columns) per LM-head chunk: [chunk, V] 
 
 def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *, kind: str,
                     positions=None, segments=None, remat: str = "none",
-                    chunk: int = LOGPROB_CHUNK):
+                    chunk: int = LOGPROB_CHUNK, scored=None):
     """log p(targets[b, t] | tokens[b, :t+1]) under the warped distribution -> f32 [B, T].
 
     tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
     where unused); positions, segments int32 [B, T] or None (see `hidden_states`); knobs:
     temperature, top_p f32 [], top_k int32 []; kind: `filter_kind` of those knobs (static).
     A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
+    scored int32 [B, K] (optional): the only columns whose log-prob is needed (T = padding);
+    the LM head runs on those alone and every other position gets 0.
     """
     x = hidden_states(params, config, tokens, positions, segments, remat=remat)
-    batch, length = tokens.shape
+    if scored is not None:
+        # per-row gathers and scatters (vmap: batch dims a row-sharded batch keeps local)
+        cols = jnp.minimum(scored, tokens.shape[1] - 1)
+        x = jax.vmap(lambda xr, c: xr[c])(x, cols)
+        picked = _chunked_log_probs(params, config, x, jax.vmap(lambda t, c: t[c])(targets, cols),
+                                    knobs, kind, chunk)
+        return jax.vmap(lambda c, p: jnp.zeros(tokens.shape[1], jnp.float32).at[c].set(
+            p, mode="drop"))(scored, picked)
+    return _chunked_log_probs(params, config, x, targets, knobs, kind, chunk)
+
+
+def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk):
+    """x [B, T, d] final hidden states, targets int32 [B, T] -> log-probs f32 [B, T]: the LM
+    head and warp per chunk of positions (rematerialised)."""
+    batch, length = targets.shape
     width = max(1, min(length, chunk // batch))  # columns per chunk
     steps = -(-length // width)
     pad = steps * width - length

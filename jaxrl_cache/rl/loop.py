@@ -49,7 +49,8 @@ class Rollouts(Protocol):
 
 
 class SyncRollouts:
-    """Each step: `calls` rollout calls at the trainer's version, then train, then sync.
+    """Each step: `calls` rollout calls at the trainer's version, then train, then sync;
+    the engine releases its copy of the weights between its calls and the sync.
     prompt_source(call) -> (prompts, meta) for the call-th call of the run; call c of step s
     is s * calls + c and draws with key fold_in(key, c) (a resumed run replays nothing).
     episodes: keyword arguments of engine.rollout_episodes (env_factory, max_turns, ...):
@@ -70,6 +71,7 @@ class SyncRollouts:
                         if self.episodes is None else
                         self.engine.rollout_episodes(*args, sampling=self.sampling, rng=rng,
                                                      **self.episodes)))
+        self.engine.release_weights()  # the trainer holds the only copy while it updates
         return out
 
     def publish(self, state: TrainState) -> WeightAck:

@@ -32,7 +32,8 @@ class PackedBatch:
     mini-batch's loss (the loss aggregation, summing to its normaliser); behavior, versions
     and advantages are the recorded log-prob, version and advantage of that target; audited
     is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
-    another version).
+    another version). scored lists the positions whose log-prob the step needs (weight > 0),
+    so the LM head runs on those only (`scored_columns`).
     """
     tokens: jax.Array  # int32
     positions: jax.Array  # int32, restarting per sequence
@@ -43,6 +44,7 @@ class PackedBatch:
     versions: jax.Array  # int32
     advantages: jax.Array  # f32
     audited: jax.Array  # int32, 1 = sampled and not mixed
+    scored: jax.Array  # int32 [U, M, B, K]: each row's columns with weight > 0, then R (pad)
 
     @property
     def computed_tokens(self) -> int:
@@ -159,4 +161,18 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                                    ("versions", versions), ("audited", audited)):
                     out[key][row][at + p - 1:at + p - 1 + o] = value[i]
                 at += n
+    out["scored"] = scored_columns(out["weights"])
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
+
+
+def scored_columns(weights: np.ndarray) -> np.ndarray:
+    """weights f32 [..., R] -> int32 [..., K]: each row's columns with weight > 0 in order,
+    padded with R. K: the most any row has, rounded up to a multiple of max(ROW_ALIGN, R / 4)
+    (at most four shapes per row length), at most R."""
+    width = weights.shape[-1]
+    keep = weights > 0
+    most = int(keep.sum(-1).max(initial=0))
+    k = min(width, max(1, _round_up(most, max(ROW_ALIGN, width // 4))))
+    # stable sort puts each row's kept columns first, in order; the rest become R
+    order = np.argsort(~keep, axis=-1, kind="stable")[..., :k]
+    return np.where(np.take_along_axis(keep, order, -1), order, width).astype(np.int32)

@@ -461,11 +461,11 @@ def _compute_params(params, cfg: TrainConfig):
 
 
 def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig):
-    """Log-probs [B, R] of each position's target (clamped at -1e4: a token outside a new
-    top-k/top-p set gets ratio ~0, not NaN)."""
+    """Log-probs [B, R] of each scored position's target, 0 elsewhere (clamped at -1e4: a
+    token outside a new top-k/top-p set gets ratio ~0, not NaN)."""
     logp = token_log_probs(_compute_params(params, cfg), config, mb.tokens, mb.targets, knobs,
                            kind=kind, positions=mb.positions, segments=mb.segments,
-                           remat=cfg.remat, chunk=cfg.logprob_chunk)
+                           remat=cfg.remat, chunk=cfg.logprob_chunk, scored=mb.scored)
     return jnp.maximum(logp, -1e4)
 
 

@@ -76,8 +76,12 @@ def _same_leaves(tree, leaves) -> bool:
 
 
 @jax.jit
-def _all_finite(params) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+def _resident_copy(params):
+    """(fresh copies of params, whether every value is finite): one program, one pass over
+    the weights. Fresh buffers: the caller may donate or mutate its own arrays afterwards."""
+    owned = jax.tree.map(jnp.copy, params)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+    return owned, finite
 
 
 def _check_rng(rng) -> None:
@@ -176,6 +180,16 @@ class RolloutEngine:
         version = as_version(version)
         return self._serialized(self._sync, params, version)
 
+    def release_weights(self) -> None:
+        """Frees the resident params until the next sync or rollout; the version and the
+        prefix cache stay. For a synchronous loop: the trainer then holds the only copy
+        while it updates (peak memory: params, grads and optimizer state, no engine copy).
+        A rollout at the same version copies the caller's params again (they must be that
+        version's weights, as for any rollout call)."""
+        def release():
+            self._weights = self._weights._replace(params=None, source=())
+        self._serialized(release)
+
     def _sync(self, params, version: int) -> WeightAck:
         start = time.perf_counter()
         staged = self._stage(params, version)
@@ -209,13 +223,11 @@ class RolloutEngine:
             return None
         begun = time.perf_counter()
         self._check_params(params)
-        # copies: the caller may mutate its numpy arrays (device_put of numpy can be
-        # zero-copy on CPU, whatever may_alias says) or donate its jax arrays afterwards
-        owned = jax.tree.map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray)
-                             else x, params)
-        resident = jax.block_until_ready(
-            jax.device_put(owned, self._placement, may_alias=False))
-        if not bool(_all_finite(resident)):
+        # fresh copies where the caller's arrays live (numpy: the default device), then
+        # moved to the engine's placement if that is elsewhere (a no-op when it is not)
+        owned, finite = _resident_copy(params)
+        resident = jax.block_until_ready(jax.device_put(owned, self._placement))
+        if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
         return _Weights(version, resident, tuple(jax.tree.leaves(params)),
