@@ -40,7 +40,7 @@ from jaxrl_cache.cache import CacheStats, RadixCache
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
-from jaxrl_cache.models import ModelConfig, init_params
+from jaxrl_cache.models import ModelConfig, init_params, unstack_layers
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -77,9 +77,10 @@ def _same_leaves(tree, leaves) -> bool:
 
 @jax.jit
 def _resident_copy(params):
-    """(fresh copies of params, whether every value is finite): one program, one pass over
-    the weights. Fresh buffers: the caller may donate or mutate its own arrays afterwards."""
-    owned = jax.tree.map(jnp.copy, params)
+    """(fresh copies of params in the engine's layout (`unstack_layers`), whether every value
+    is finite): one program, one pass over the weights. Fresh buffers: the caller may donate
+    or mutate its own arrays afterwards."""
+    owned = unstack_layers(jax.tree.map(jnp.copy, params))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
     return owned, finite
 
@@ -156,7 +157,8 @@ class RolloutEngine:
                                             jax.random.key(0))
         self._placement = self.device
         if mesh is not None:
-            self._placement = parallel.rollout_shardings(self._param_shapes, model_config, mesh)
+            self._placement = parallel.rollout_shardings(
+                jax.eval_shape(unstack_layers, self._param_shapes), model_config, mesh)
 
     def _cache_key(self, version: int) -> int:
         """The radix namespace of `version`: the version itself (invariant 1). Tests override
