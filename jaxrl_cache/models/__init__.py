@@ -3,9 +3,9 @@ checkpoints and tokenizers in and out."""
 from jaxrl_cache.models.config import ModelConfig, RopeScaling
 from jaxrl_cache.models.hf import from_pretrained, save_pretrained
 from jaxrl_cache.models.llama import (DecoderLM, copy_pages, decode_forward, forward, init_kv_cache,
-                                      init_params, prefill_forward, unstack_layers)
+                                      init_params, prefill_forward)
 from jaxrl_cache.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "RopeScaling", "DecoderLM", "Tokenizer", "copy_pages", "decode_forward",
            "forward", "from_pretrained", "init_kv_cache", "init_params", "load_tokenizer",
-           "prefill_forward", "save_pretrained", "unstack_layers"]
+           "prefill_forward", "save_pretrained"]

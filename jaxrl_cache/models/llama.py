@@ -137,26 +137,11 @@ REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is re
 }
 
 
-def unstack_layers(params) -> dict:
-    """params with the stacked blocks as a tuple of per-layer dicts (fresh arrays): the
-    rollout engine's layout. `_decoder` then runs the blocks as a Python loop: XLA:CPU copies
-    a block's weights out of a stacked array before each matmul (a dynamic slice), which
-    doubles the weight traffic of a small-batch decode step; per-layer arrays are read in
-    place (16-row decode on SmolLM2-135M: ~100 vs ~120-160 ms). The xla backend uses it."""
-    layers = params["layers"]
-    depth = jax.tree.leaves(layers)[0].shape[0]
-    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers)
-                                     for i in range(depth)))
-
-
 def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: str = "none"):
-    """Runs the blocks; kv_cache (any pytree, or None) is carried.
+    """Runs the stacked blocks with one lax.scan; kv_cache (any pytree, or None) is carried.
 
-    params["layers"]: stacked [n_layers, ...] arrays (one lax.scan: compile time independent
-    of depth; training) or a tuple of per-layer dicts (`unstack_layers`, the engine's
-    layout: a Python loop). attend(layer int32 [] or int, q, k, v, kv_cache) ->
-    (out [..., T, Hq, D], kv_cache'). remat: "none", or a REMAT_POLICIES key (each block
-    rematerialised in the backward pass).
+    attend(layer int32 [], q, k, v, kv_cache) -> (out [..., T, Hq, D], kv_cache').
+    remat: "none", or a REMAT_POLICIES key (each block rematerialised in the backward pass).
     """
     def block(carry, layer):
         x, kv_cache, index = carry
@@ -171,11 +156,6 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
     if remat != "none":
         block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
-    if isinstance(params["layers"], (tuple, list)):
-        carry = (x, kv_cache, 0)
-        for layer in params["layers"]:
-            carry, _ = block(carry, layer)
-        return carry[0], carry[1]
     (x, kv_cache, _), _ = jax.lax.scan(block, (x, kv_cache, jnp.int32(0)), params["layers"])
     return x, kv_cache
 

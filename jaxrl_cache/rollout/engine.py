@@ -25,7 +25,6 @@ A call's parts: its queue, slots and admission (scheduler.Run), page claims
 """
 from __future__ import annotations
 
-import functools
 import numbers
 import operator
 import threading
@@ -41,7 +40,7 @@ from jaxrl_cache.cache import CacheStats, RadixCache
 from jaxrl_cache.checks import as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
-from jaxrl_cache.models import ModelConfig, init_params, unstack_layers
+from jaxrl_cache.models import ModelConfig, init_params
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -76,16 +75,11 @@ def _same_leaves(tree, leaves) -> bool:
     return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
 
 
-@functools.partial(jax.jit, static_argnames=("unstack",))
-def _resident_copy(params, *, unstack: bool):
-    """(fresh copies of params in the engine's layout, whether every value is finite): one
-    program, one pass over the weights. Fresh buffers: the caller may donate or mutate its
-    own arrays afterwards. unstack: per-layer arrays (`unstack_layers`, the CPU path: XLA:CPU
-    copies a block's weights out of a stacked array before every matmul; XLA:GPU reads them
-    in place, and the unrolled programs would only compile slower)."""
+@jax.jit
+def _resident_copy(params):
+    """(fresh copies of params, whether every value is finite): one program, one pass over
+    the weights. Fresh buffers: the caller may donate or mutate its own arrays afterwards."""
     owned = jax.tree.map(jnp.copy, params)
-    if unstack:  # the slices are fresh arrays themselves
-        owned = unstack_layers(dict(owned, layers=params["layers"]))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
     return owned, finite
 
@@ -160,12 +154,9 @@ class RolloutEngine:
         self._active: scheduler.Run | None = None  # asynchronous mode: the call in flight
         self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
                                             jax.random.key(0))
-        self._unstack = self.backend == "xla"  # see _resident_copy
         self._placement = self.device
         if mesh is not None:
-            layout = jax.eval_shape(functools.partial(_resident_copy, unstack=self._unstack),
-                                    self._param_shapes)[0]
-            self._placement = parallel.rollout_shardings(layout, model_config, mesh)
+            self._placement = parallel.rollout_shardings(self._param_shapes, model_config, mesh)
 
     def _cache_key(self, version: int) -> int:
         """The radix namespace of `version`: the version itself (invariant 1). Tests override
@@ -234,7 +225,7 @@ class RolloutEngine:
         self._check_params(params)
         # fresh copies where the caller's arrays live (numpy: the default device), then
         # moved to the engine's placement if that is elsewhere (a no-op when it is not)
-        owned, finite = _resident_copy(params, unstack=self._unstack)
+        owned, finite = _resident_copy(params)
         resident = jax.block_until_ready(jax.device_put(owned, self._placement))
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
