@@ -142,6 +142,8 @@ def test_a_sync_from_another_thread_waits_for_one_chunk_only():
     assert reached.wait(120)
     ack = engine.sync_weights(PARAMS[1], 1)
     assert worker.is_alive()  # acknowledged while the call is in flight
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.release_weights()  # the call's next chunks read the resident weights
     synced.set()
     worker.join(120)
     batch = result["batch"]

@@ -51,8 +51,9 @@ def row_keys(key, sample_index, emitted):
 @functools.partial(jax.jit, static_argnames=("config", "backend", "steps", "mesh"),
                    donate_argnames=("kv_cache",))
 def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
-                 shared_pages, budget, sample_index, emitted, stop_ids, refill_at, temperature, top_p, top_k,
-                 key, *, config: ModelConfig, backend: str, steps: int, mesh=None):
+                 shared_pages, budget, sample_index, emitted, stop_ids, refill_at, temperature,
+                 top_p, top_k, key, *, config: ModelConfig, backend: str, steps: int,
+                 mesh=None):
     """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
 
     fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,

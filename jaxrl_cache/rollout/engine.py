@@ -185,8 +185,12 @@ class RolloutEngine:
         prefix cache stay. For a synchronous loop: the trainer then holds the only copy
         while it updates (peak memory: params, grads and optimizer state, no engine copy).
         A rollout at the same version copies the caller's params again (they must be that
-        version's weights, as for any rollout call)."""
+        version's weights, as for any rollout call). Refused while an asynchronous call is
+        in flight (its decode chunks read these weights)."""
         def release():
+            if self._call_lock.locked():
+                raise RuntimeError("release_weights while an asynchronous rollout call is in "
+                                   "flight: its decode chunks use the resident weights")
             self._weights = self._weights._replace(params=None, source=())
         self._serialized(release)
 

@@ -217,12 +217,9 @@ def shared_prefix(slots: list, page_size: int) -> int:
     live = [row for row in slots if row is not None and not row.resume]
     if len(live) < 2:
         return 0
-    first = live[0].pages
     n = min(min(_next_position(row) // page_size, row.pages.size) for row in live)
-    for row in live[1:]:
-        differ = np.flatnonzero(row.pages[:n] != first[:n])
-        n = int(differ[0]) if differ.size else n
-    return n
+    tables = np.stack([row.pages[:n] for row in live])  # [rows, n]
+    return int(np.cumprod((tables == tables[0]).all(axis=0)).sum())
 
 
 def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
@@ -246,11 +243,12 @@ def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
         last[i] = row.tokens[-1] if n else 0
         pos[i] = _next_position(row)
         table[i, :row.pages.size - shared] = row.pages[shared:]
-        shared_pages[:] = row.pages[:shared]
+        shared_pages = row.pages[:shared]  # the same in every decoding row
         budget[i] = row.max_new - n
         index[i] = row.index
         emitted[i] = n
-    return DecodeArrays(fresh, last, pos, table, shared_pages, budget, index, emitted)
+    return DecodeArrays(fresh, last, pos, table, shared_pages.astype(np.int32), budget, index,
+                        emitted)
 
 
 def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
