@@ -350,6 +350,36 @@ def test_released_weights_come_back_at_the_next_call():
         dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
 
 
+def test_a_borrowing_sync_holds_the_callers_arrays_until_released():
+    """sync_weights(borrow=True) keeps the caller's arrays (nothing copied: the ack says 0
+    bytes) and generates with them; a copying sync reports the params' bytes. Deleting
+    borrowed arrays (a donating train step) before release_weights makes the next rollout
+    raise one clear error; released first, the donation is harmless."""
+    engine = make_engine()
+    params = jax.tree.map(jnp.array, varied_params(1))  # fresh device arrays of our own
+    copied = engine.sync_weights(varied_params(0), 0)
+    assert copied.copied_bytes == sum(x.nbytes for x in jax.tree.leaves(varied_params(0)))
+    ack = engine.sync_weights(params, 1, borrow=True)
+    assert ack.copied_bytes == 0 and ack.version == 1
+    assert all(a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer() for a, b in zip(
+        jax.tree.leaves(engine._weights.params), jax.tree.leaves(params)))  # the very buffers
+    batch = engine.rollout(params, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == [
+        dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
+    jax.tree.map(lambda x: x.delete(), params)  # donated while still borrowed
+    with pytest.raises(RuntimeError, match="release_weights"):
+        engine.rollout(params, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    newer = jax.tree.map(jnp.array, varied_params(2))
+    engine.sync_weights(newer, 2, borrow=True)
+    engine.rollout(newer, 2, PROMPTS, GREEDY, rng=jax.random.key(0))
+    engine.release_weights()
+    jax.tree.map(lambda x: x.delete(), newer)  # released first: the engine holds nothing
+    again = engine.rollout(varied_params(2), 2, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert again.cached_tokens > 0
+    with pytest.raises(TypeError, match="borrow must be a bool"):
+        engine.sync_weights(varied_params(3), 3, borrow="yes")
+
+
 def test_non_finite_params_are_refused_at_sync():
     engine = make_engine()
     bad = jax.tree.map(lambda x: x, varied_params(0))

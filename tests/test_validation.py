@@ -197,9 +197,9 @@ def test_train_step_refuses_none_nan_lr_overflow_and_nan_results(state, batch):
     poisoned = dataclasses.replace(batch, behavior_logprobs=tuple(
         b - 1e38 for b in batch.behavior_logprobs))
     own = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=1e-3)
-    for donate in (False, True):
+    for donate, updates in ((False, 1), (True, 1), (True, 2)):  # one update skips itself
         with pytest.raises(NonFiniteUpdate, match="non-finite params") as failed:
-            train_step(own, poisoned, donate=donate)
+            train_step(own, poisoned, donate=donate, mini_batches=updates)
         own = failed.value.state  # the input state, whole even when its buffers were donated
         assert int(own.version) == 0 and optimizer_counts(own.opt_state) == [0]
         for x, y in zip(jax.tree.leaves(own.params), jax.tree.leaves(varied_params(0))):

@@ -161,10 +161,6 @@ def _train_config(opts: DemoOptions, *, async_rollouts: bool) -> TrainConfig:
                        donate=not async_rollouts and opts.mesh is None)
 
 
-def _param_bytes(params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-
-
 def _lr_schedule(opts: DemoOptions):
     lr = opts.lr or (3e-4 if opts.env else 3e-3)
     return optax.warmup_constant_schedule(0.0, lr, max(opts.warmup_steps, 1))
@@ -471,7 +467,7 @@ def run_demo(opts: DemoOptions) -> dict:
                                mesh=None if placement is None else placement.trainer)
             examples, sample, completion = result.texts[0]
             example = examples[sample.group]
-            sync_bytes = (_param_bytes(result.state.params) if placement is None
+            sync_bytes = (result.record["sync_bytes"] if placement is None
                           else placement.sync_bytes(result.state.params))
             row = dict(result.record, exact_match=float(np.mean(
                 [exact(m, s, t) for m, s, t in result.texts])), sync_bytes=sync_bytes,

@@ -50,7 +50,8 @@ class Rollouts(Protocol):
 
 class SyncRollouts:
     """Each step: `calls` rollout calls at the trainer's version, then train, then sync;
-    the engine releases its copy of the weights between its calls and the sync.
+    the sync lends the trainer's params to the engine (no copy) and the engine releases them
+    after its calls, before the update may donate them.
     prompt_source(call) -> (prompts, meta) for the call-th call of the run; call c of step s
     is s * calls + c and draws with key fold_in(key, c) (a resumed run replays nothing).
     episodes: keyword arguments of engine.rollout_episodes (env_factory, max_turns, ...):
@@ -75,7 +76,8 @@ class SyncRollouts:
         return out
 
     def publish(self, state: TrainState) -> WeightAck:
-        return self.engine.sync_weights(state.params, state.version)
+        """Borrows the new params (no copy): `get` releases them before the next update."""
+        return self.engine.sync_weights(state.params, state.version, borrow=True)
 
     def close(self) -> dict:
         return {}
@@ -264,6 +266,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         audited_samples=audited, audit_checked_tokens=checked, audit_failed=flagged,
         mixed_tokens=mixed, recomputed_tokens=sum(b.recomputed_tokens for b in batches),
         invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
+        sync_bytes=ack.copied_bytes,
         rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
         train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
     if any(isinstance(b, EpisodeBatch) for b in batches):

@@ -53,9 +53,12 @@ from kernels_pallas._common import resolve_backend
 class _Weights(NamedTuple):
     """The engine's committed weights: replaced in one assignment."""
     version: int
-    params: object  # resident copy on the engine's device (None before the first sync)
+    params: object  # resident on the engine's device (None before the first sync): a copy,
+    # or the caller's own arrays when borrowed (sync_weights(borrow=True))
     source: tuple  # the caller's leaves they came from (identity checks)
     staged_seconds: float = 0.0  # time spent validating and copying them (sync_ack.seconds)
+    copied_bytes: int = 0  # bytes the staging copied (0: borrowed where they already were)
+    borrowed: bool = False  # params are (partly) the caller's arrays: they must stay alive
 
 
 class _Call(NamedTuple):
@@ -82,6 +85,18 @@ def _resident_copy(params):
     owned = jax.tree.map(jnp.copy, params)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
     return owned, finite
+
+
+def _buffers(x) -> set:
+    """Addresses of an array's local shards (empty for a host array)."""
+    if not isinstance(x, jax.Array):
+        return set()
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+@jax.jit
+def _all_finite(params):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 def _check_rng(rng) -> None:
@@ -168,17 +183,24 @@ class RolloutEngine:
         return self._weights.version
 
     # ------------------------------------------------------------------ weight sync
-    def sync_weights(self, params, version) -> WeightAck:
+    def sync_weights(self, params, version, *, borrow: bool = False) -> WeightAck:
         """Makes `params` the engine's weights for `version` and acknowledges.
 
         Waits for any in-flight rollout (same lock). Newer version: params copied onto the
         engine's device (never aliasing the caller's buffers), checked finite, resident; every
         older prefix entry dropped; then the version is committed. Same version: idempotent
         (nothing invalidated). Older: VersionError. If anything fails, the previous version,
-        weights and cache stay as they were.
+        weights and cache stay as they were. The ack reports the bytes copied and the sync's
+        own seconds.
+
+        borrow=True (a synchronous loop): arrays already where the engine runs are held as
+        they are, not copied, until `release_weights()` or the next sync; the caller must not
+        donate or delete them before that (a rollout on deleted weights raises).
         """
         version = as_version(version)
-        return self._serialized(self._sync, params, version)
+        if not isinstance(borrow, (bool, np.bool_)):
+            raise TypeError(f"borrow must be a bool, got {type(borrow).__name__}")
+        return self._serialized(self._sync, params, version, bool(borrow))
 
     def release_weights(self) -> None:
         """Frees the resident params until the next sync or rollout; the version and the
@@ -194,9 +216,9 @@ class RolloutEngine:
             self._weights = self._weights._replace(params=None, source=())
         self._serialized(release)
 
-    def _sync(self, params, version: int) -> WeightAck:
+    def _sync(self, params, version: int, borrow: bool = False) -> WeightAck:
         start = time.perf_counter()
-        staged = self._stage(params, version)
+        staged = self._stage(params, version, borrow)
         if staged is None:  # same version, same params
             return WeightAck(version, version, 0, time.perf_counter() - start,
                              tuple(self.cache.versions()))
@@ -213,8 +235,9 @@ class RolloutEngine:
                 finally:
                     self._reconcile()
 
-    def _stage(self, params, version: int) -> _Weights | None:
-        """Validated resident copy of `params` for a newer `version` (nothing committed)."""
+    def _stage(self, params, version: int, borrow: bool = False) -> _Weights | None:
+        """Validated resident copy (borrow: the arrays themselves where they already are on
+        the engine's placement) of `params` for a newer `version` (nothing committed)."""
         current = self._weights
         if version < current.version:
             raise VersionError(f"version {version} is older than the engine's version "
@@ -229,13 +252,18 @@ class RolloutEngine:
         self._check_params(params)
         # fresh copies where the caller's arrays live (numpy: the default device), then
         # moved to the engine's placement if that is elsewhere (a no-op when it is not)
-        owned, finite = _resident_copy(params)
+        if borrow:
+            owned, finite = params, _all_finite(params)
+        else:
+            owned, finite = _resident_copy(params)
         resident = jax.block_until_ready(jax.device_put(owned, self._placement))
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
-        return _Weights(version, resident, tuple(jax.tree.leaves(params)),
-                        time.perf_counter() - begun)
+        source = tuple(jax.tree.leaves(params))
+        copied = sum(x.nbytes for x, y in zip(jax.tree.leaves(resident), source)
+                     if _buffers(x) != _buffers(y))
+        return _Weights(version, resident, source, time.perf_counter() - begun, copied, borrow)
 
     def _commit(self, staged: _Weights, start: float | None = None) -> WeightAck:
         """Commits staged weights; the ack's seconds are the sync's own time (staging from
@@ -254,7 +282,8 @@ class RolloutEngine:
             self._weights = staged  # the commit: one assignment
         return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()),
-                         tuple(sorted(before - set(self.cache.versions()))), recomputed)
+                         tuple(sorted(before - set(self.cache.versions()))), recomputed,
+                         staged.copied_bytes)
 
     def _window(self) -> tuple:
         """Cache namespaces that may hold entries: the versions inside the lag window."""
@@ -392,6 +421,11 @@ class RolloutEngine:
         return self._active, staged
 
     def _new_run(self, weights: _Weights, call: _Call) -> scheduler.Run:
+        if weights.borrowed and any(isinstance(x, jax.Array) and x.is_deleted()
+                                    for x in weights.source):
+            raise RuntimeError(f"the weights of version {weights.version} that the engine "
+                               f"borrowed (sync_weights(borrow=True)) were deleted, e.g. "
+                               f"donated by a train step: release_weights() before donating")
         cfg, sched = self.cache_config, self.scheduler_config
         return scheduler.Run(
             weights, call.requests, call.sampling, call.rng, cache=self.cache,

@@ -82,6 +82,7 @@ class WeightAck:
     cached_versions: tuple  # versions with prefix entries after the sync (the lag window)
     dropped_versions: tuple = ()  # versions whose entries this sync dropped
     recomputed_tokens: int = 0  # context tokens the rollout in flight will re-prefill
+    copied_bytes: int = 0  # bytes of weights this sync copied (0: none, or borrowed in place)
 
 
 @dataclasses.dataclass(frozen=True)
