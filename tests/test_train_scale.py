@@ -127,6 +127,11 @@ def test_scored_columns_score_only_those_positions():
     assert cols.shape == (2, 3, 32)  # 10 at most, rounded up to 32 (at most R = 40)
     assert cols[0, 1, :4].tolist() == [3, 4, 9, 40] and (cols[0, 0] == 40).all()
     assert cols[1, 2, :10].tolist() == list(range(30, 40))
+    # a K compiled before that holds the rows is reused (smallest such); too small ones not
+    wide = scored_columns(weights, known={40, 12})
+    assert wide.shape == (2, 3, 12) and wide[1, 2, :10].tolist() == list(range(30, 40))
+    assert (wide == cols[..., :12]).all()
+    assert scored_columns(weights, known={8}).shape == (2, 3, 32)
     params, sp = varied_params(3), SamplingParams(temperature=0.8)
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (3, 40)), jnp.int32)

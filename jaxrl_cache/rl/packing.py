@@ -96,8 +96,9 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`.
 
     Raises ValueError if one sequence cannot fit the budget. row_multiple: B is a multiple
-    of it (a mesh splitting rows). known: (R, M, B) shapes compiled before, preferred (the
-    cheapest that holds the parts) while within SHAPE_REUSE x the tightest cost."""
+    of it (a mesh splitting rows). known: (R, M, B) shapes compiled before (a set, or a dict
+    keyed by them), preferred (the cheapest that holds the parts) while within SHAPE_REUSE
+    x the tightest cost."""
     longest = max(int(l.max()) for l in lengths_per_part)
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
@@ -133,7 +134,8 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
     versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
-    mini-batch (in order); known: as in `plan`.
+    mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the K
+    (`scored_columns`) compiled with it.
     """
     lengths = np.array([len(s) for s in sequences])
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
@@ -161,18 +163,22 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                                    ("versions", versions), ("audited", audited)):
                     out[key][row][at + p - 1:at + p - 1 + o] = value[i]
                 at += n
-    out["scored"] = scored_columns(out["weights"])
+    ks = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
+    out["scored"] = scored_columns(out["weights"], ks)
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
-def scored_columns(weights: np.ndarray) -> np.ndarray:
+def scored_columns(weights: np.ndarray, known=()) -> np.ndarray:
     """weights f32 [..., R] -> int32 [..., K]: each row's columns with weight > 0 in order,
-    padded with R. K: the most any row has, rounded up to a multiple of max(ROW_ALIGN, R / 4)
-    (at most four shapes per row length), at most R."""
+    padded with R. K: the smallest of `known` (K compiled before with this shape) that holds
+    the most any row has, else that count rounded up to a multiple of max(ROW_ALIGN, R / 4)
+    (at most four shapes per row length), at most R. A known K costs no compile; only the
+    LM head computes its padding columns."""
     width = weights.shape[-1]
     keep = weights > 0
     most = int(keep.sum(-1).max(initial=0))
-    k = min(width, max(1, _round_up(most, max(ROW_ALIGN, width // 4))))
+    k = min([c for c in known if c >= most] or
+            [min(width, max(1, _round_up(most, max(ROW_ALIGN, width // 4))))])
     # stable sort puts each row's kept columns first, in order; the rest become R
     order = np.argsort(~keep, axis=-1, kind="stable")[..., :k]
     return np.where(np.take_along_axis(keep, order, -1), order, width).astype(np.int32)

@@ -447,7 +447,7 @@ def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None =
         f"{gib(have)} available; {hint}")
 
 
-_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B)} packed so far
+_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {K}} packed so far
 
 
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
@@ -461,13 +461,13 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
     for part in parts:
         for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
             weights[i] = w
-    known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), set())
+    known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), {})
     audited = [m & ~x for m, x in zip(batch.loss_masks, batch.mixed_masks)]
     packed = pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
                   batch.token_versions, batch.advantages, weights, audited, parts=parts,
                   token_budget=cfg.token_budget, row_multiple=row_multiple, known=known)
     _, micro, rows, width = packed.tokens.shape
-    known.add((width, micro, rows))
+    known.setdefault((width, micro, rows), set()).add(packed.scored.shape[-1])
     return packed
 
 
