@@ -162,6 +162,50 @@ def test_an_environment_fault_ends_only_its_episode():
     assert_clean(engine)
 
 
+def test_a_stuck_environment_times_out_alone():
+    """env_timeout: a step that hangs ends only its episode ("error", TimeoutError) and its
+    late answer is dropped; a reset that hangs likewise; the other episodes run to the end,
+    and the engine's next call is clean."""
+    release = threading.Event()
+
+    class Stuck(TokenEnv):
+        def step(self, action):
+            if self.task == TASKS[1] and self.steps == 1:
+                release.wait(30)  # the second step of task 1 hangs until released
+            return super().step(action)
+
+    engine = make_engine()
+    batch = engine.rollout_episodes(PARAMS[0], 0, TASKS, Stuck, GREEDY, rng=jax.random.key(0),
+                                    env_timeout=0.5)
+    release.set()
+    ok, stuck = batch.episodes[:2], batch.episodes[2:]
+    assert all(e.finish_reason == "done" and len(e.turns) == 3 for e in ok)
+    for e in stuck:
+        assert e.finish_reason == "error" and "TimeoutError" in e.error
+        assert "step after turn 2" in e.error and "env_timeout" in e.error
+        assert len(e.turns) == 2 and e.rewards == (5.0,)  # the late third answer dropped
+    assert_clean(engine)
+
+    class SlowReset(TokenEnv):
+        def reset(self):
+            time.sleep(2.0)
+            return super().reset()
+
+    late = engine.rollout_episodes(PARAMS[0], 0, TASKS[:1], SlowReset, GREEDY,
+                                   rng=jax.random.key(0), env_timeout=0.2)
+    assert all(e.finish_reason == "error" and "reset" in e.error and not e.token_ids
+               for e in late.episodes)
+    again = engine.rollout_episodes(PARAMS[0], 0, TASKS, TokenEnv, GREEDY,
+                                    rng=jax.random.key(0))
+    assert [e.finish_reason for e in again.episodes] == ["done"] * 4
+    for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                       ("1", TypeError)):
+        with pytest.raises(error, match="env_timeout"):
+            engine.rollout_episodes(PARAMS[0], 0, TASKS, TokenEnv, GREEDY,
+                                    rng=jax.random.key(0), env_timeout=bad)
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("observation_value, message", [
     ([99], "token ids"), ("text", "tokenizer"), (3.5, "text or token ids")])
 def test_invalid_observations_are_episode_errors(observation_value, message):

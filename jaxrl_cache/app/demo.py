@@ -484,9 +484,11 @@ def run_demo(opts: DemoOptions) -> dict:
                             exact=f"{row['exact_match']:.2f}",
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
+                moved = (f"copied {sync_bytes / 2**20:.1f} MiB" if sync_bytes else
+                         "lent the params (nothing copied)")
                 tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
-                           f"(answer {example.answer!r}); sync copied "
-                           f"{sync_bytes / 2**20:.1f} MiB in {row['sync_seconds']:.2f} s")
+                           f"(answer {example.answer!r}); sync {moved} in "
+                           f"{row['sync_seconds']:.2f} s")
             if (step + 1) % opts.checkpoint_every == 0:
                 with deferred_signals():
                     save_checkpoint(run.checkpoints, state)

@@ -340,7 +340,8 @@ class RolloutEngine:
     def rollout_episodes(self, params, version, tasks: Sequence, env_factory: Callable,
                          sampling: SamplingParams, *, rng: jax.Array, max_turns: int = 4,
                          max_episode_tokens: int | None = None,
-                         env_workers: int | None = None) -> EpisodeBatch:
+                         env_workers: int | None = None,
+                         env_timeout: float | None = None) -> EpisodeBatch:
         """sampling.n multi-turn episodes per task with the params of `version`
         (rollout/episodes.py; the environment protocol is rollout/env.py).
 
@@ -351,7 +352,8 @@ class RolloutEngine:
         from this version's prefix cache up to the new observation. An episode ends when its
         environment says done, after max_turns turns, when its history would pass
         max_episode_tokens (default: the model's max_seq_len), or with "error" when its
-        environment raised or gave an invalid observation. Versions and syncs as `rollout`;
+        environment raised, gave an invalid observation or took more than env_timeout
+        seconds on one call (None: no limit; its late answer is dropped). Versions and syncs as `rollout`;
         a next turn after a weight update re-prefills its history under the new version
         ("recompute"; "keep" while the history's version has left the cache), or continues
         over its older KV ("keep", while that version is in the `max_policy_lag` window;
@@ -365,7 +367,7 @@ class RolloutEngine:
             tasks, env_factory, sampling, tokenizer=self.tokenizer, config=self.model_config,
             cache_config=self.cache_config, max_turns=max_turns,
             max_episode_tokens=max_episode_tokens, env_workers=env_workers,
-            keep=self.kv_policy == "keep")
+            keep=self.kv_policy == "keep", env_timeout=env_timeout)
         return self._run_call(params, version, _Call(sampling, rng, [], max_tokens,
                                                      episodes.batch, driver))
 

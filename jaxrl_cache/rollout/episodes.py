@@ -16,6 +16,11 @@ observation tokens are masked out (loss_mask False, log-prob 0) and carry the ve
 the last sampled token before them. Which environment answers first decides the order in
 which turns are admitted, so batching (not the distributions sampled) may differ between
 runs with slow environments.
+
+`env_timeout` bounds each environment call (factory + reset, or one step): past it the
+episode ends with "error" (a TimeoutError message) and its late answer, if any, is
+dropped. Python cannot stop a thread, so the stuck call keeps its worker thread until it
+returns.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxrl_cache.checks import as_count
+from jaxrl_cache.checks import as_count, as_real
 from jaxrl_cache.errors import CacheFullError
 from jaxrl_cache.rollout import scheduler, text
 from jaxrl_cache.rollout.env import EnvStep
@@ -69,10 +74,15 @@ class Driver:
     environment calls not yet collected by `ready`."""
 
     def __init__(self, tasks: list, env_factory, sampling, *, tokenizer, vocab_size: int,
-                 max_turns: int, max_tokens: int, workers: int, keep: bool = False):
+                 max_turns: int, max_tokens: int, workers: int, keep: bool = False,
+                 timeout: float | None = None):
         """keep (kv_policy "keep"): a next turn may continue over its history's KV of an
-        older version while that version's entries are cached (its tokens are flagged)."""
+        older version while that version's entries are cached (its tokens are flagged).
+        timeout: seconds per environment call (None: unbounded)."""
         self.env_factory, self.tokenizer, self.vocab = env_factory, tokenizer, vocab_size
+        self.timeout = timeout
+        self._deadlines: dict[int, float] = {}  # episode -> deadline of its call in flight
+        self._tickets: list[int] = []  # per episode: the number of its current call
         self.keep = keep
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.max_new = sampling.max_new_tokens
@@ -83,14 +93,34 @@ class Driver:
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "env")
         self.pending = 0
+        self._tickets = [0] * len(self.states)
         for e in range(len(self.states)):
             self._submit(e, self._reset, self.states[e].task)
 
     # ------------------------------------------------------------ worker threads
     def _submit(self, e: int, fn, *args) -> None:
         self.pending += 1
+        self._tickets[e] += 1
+        ticket = self._tickets[e]
+        if self.timeout is not None:
+            self._deadlines[e] = time.perf_counter() + self.timeout
         future = self._pool.submit(_timed, fn, *args)
-        future.add_done_callback(lambda f: self._answers.put((e, f)))
+        future.add_done_callback(lambda f: self._answers.put((e, ticket, f)))
+
+    def _expire(self) -> None:
+        """Ends the episodes whose environment call passed its deadline; their answers, if
+        they ever come, are dropped (the ticket moved on)."""
+        now = time.perf_counter()
+        for e, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[e]
+                self._tickets[e] += 1
+                self.pending -= 1
+                st = self.states[e]
+                what = "reset" if st.env is None else f"step after turn {len(st.turns)}"
+                st.finish_reason = "error"
+                st.error = (f"TimeoutError: the environment's {what} took more than "
+                            f"{self.timeout:g} s (env_timeout)")
 
     def _reset(self, task):
         env = self.env_factory(task)
@@ -102,6 +132,8 @@ class Driver:
         quiet GATHER_S ends it): turns that ended together come back as one admission round
         instead of a decode chunk each. Short sleeps, so signals still land."""
         while self._answers.empty():
+            if self._deadlines and min(self._deadlines.values()) <= time.perf_counter():
+                return  # `ready` ends the episode that timed out
             time.sleep(0.001)
         seen, quiet = self._answers.qsize(), time.perf_counter() + GATHER_S
         while seen < self.pending and time.perf_counter() < quiet:
@@ -112,12 +144,16 @@ class Driver:
     def ready(self) -> list[scheduler.Request]:
         """Collects every answer so far; the next turns' requests, in arrival order."""
         out = []
+        self._expire()
         while True:
             try:
-                e, future = self._answers.get_nowait()
+                e, ticket, future = self._answers.get_nowait()
             except queue.Empty:
                 return out
+            if ticket != self._tickets[e]:
+                continue  # the call timed out before it answered: already ended
             self.pending -= 1
+            self._deadlines.pop(e, None)
             st = self.states[e]
             try:
                 value, seconds = future.result()
@@ -240,7 +276,8 @@ class Driver:
 
 
 def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, max_turns,
-            max_episode_tokens, env_workers, keep) -> tuple[int, Callable[[], Driver]]:
+            max_episode_tokens, env_workers, keep, env_timeout=None
+            ) -> tuple[int, Callable[[], Driver]]:
     """rollout_episodes' arguments checked before any work: (max tokens of an episode, a
     factory of the call's Driver). Raises TypeError/ValueError, or CacheFullError when one
     episode at its token budget could not fit the KV pool."""
@@ -255,6 +292,8 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
                            else env_workers, "env_workers", minimum=1, maximum=1024)
     max_tokens = as_count(limit if max_episode_tokens is None else max_episode_tokens,
                           "max_episode_tokens", minimum=2, maximum=limit)
+    if env_timeout is not None:
+        env_timeout = as_real(env_timeout, "env_timeout", minimum=0.0, open_min=True)
     ps, usable = cache_config.page_size, cache_config.num_pages - 1
     need = scheduler.pages_for(max_tokens - 1, ps)
     if need > usable:
@@ -265,7 +304,8 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
     tasks = list(tasks)
     return max_tokens, lambda: Driver(tasks, env_factory, sampling, tokenizer=tokenizer,
                                       vocab_size=config.vocab_size, max_turns=max_turns,
-                                      max_tokens=max_tokens, workers=env_workers, keep=keep)
+                                      max_tokens=max_tokens, workers=env_workers, keep=keep,
+                                      timeout=env_timeout)
 
 
 def _timed(fn, *args):
