@@ -78,13 +78,19 @@ def _same_leaves(tree, leaves) -> bool:
     return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
 
 
+def _finite(params):
+    """bool []: every value of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+
+_all_finite = jax.jit(_finite)
+
+
 @jax.jit
 def _resident_copy(params):
     """(fresh copies of params, whether every value is finite): one program, one pass over
     the weights. Fresh buffers: the caller may donate or mutate its own arrays afterwards."""
-    owned = jax.tree.map(jnp.copy, params)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-    return owned, finite
+    return jax.tree.map(jnp.copy, params), _finite(params)
 
 
 def _buffers(x) -> set:
@@ -92,11 +98,6 @@ def _buffers(x) -> set:
     if not isinstance(x, jax.Array):
         return set()
     return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
-
-
-@jax.jit
-def _all_finite(params):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 def _check_rng(rng) -> None:
@@ -187,7 +188,8 @@ class RolloutEngine:
         """Makes `params` the engine's weights for `version` and acknowledges.
 
         Waits for any in-flight rollout (same lock). Newer version: params copied onto the
-        engine's device (never aliasing the caller's buffers), checked finite, resident; every
+        engine's device (never aliasing the caller's buffers unless borrowed, below), checked
+        finite, resident; every
         older prefix entry dropped; then the version is committed. Same version: idempotent
         (nothing invalidated). Older: VersionError. If anything fails, the previous version,
         weights and cache stay as they were. The ack reports the bytes copied and the sync's
@@ -348,12 +350,14 @@ class RolloutEngine:
         env_factory(task) makes episode j of a task its environment. Each assistant turn
         stops as a single-turn sample does (stop ids or strings, sampling.max_new_tokens);
         its environment then answers on one of `env_workers` threads (default: one per
-        episode, at most 64) while the other rows decode, and the next turn is admitted with the whole history as its context, served
+        episode, at most 64) while the other rows decode, and the next turn is admitted with
+        the whole history as its context, served
         from this version's prefix cache up to the new observation. An episode ends when its
         environment says done, after max_turns turns, when its history would pass
         max_episode_tokens (default: the model's max_seq_len), or with "error" when its
         environment raised, gave an invalid observation or took more than env_timeout
-        seconds on one call (None: no limit; its late answer is dropped). Versions and syncs as `rollout`;
+        seconds on one call (None: no limit; its late answer is dropped). Versions and
+        syncs as `rollout`;
         a next turn after a weight update re-prefills its history under the new version
         ("recompute"; "keep" while the history's version has left the cache), or continues
         over its older KV ("keep", while that version is in the `max_policy_lag` window;
