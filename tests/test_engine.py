@@ -109,6 +109,26 @@ def test_prefix_cache_off_computes_every_prompt():
         dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS]
 
 
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prompts_over_the_prefill_budget_all_decode_from_the_first_chunk(prefix_cache):
+    """A prefill budget smaller than the prompts: several packed prefills run before the
+    first decode chunk (no tail of rows decoding alone in extra chunks), and each row starts
+    from its own prefill's logits (greedy output equal to the dense model)."""
+    params = varied_params(0)
+    sched = SchedulerConfig(max_num_seqs=8, chunk_steps=4, max_prefill_tokens=10)
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=96, page_size=PS,
+                                               prefix_cache=prefix_cache),
+                           scheduler_config=sched)
+    b = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert b.prefill_launches >= 3
+    assert b.decode_chunks == 2  # 7 new tokens in chunks of 4: every row in both chunks
+    for s in b.samples:
+        want, want_logp = dense_greedy(params, CONFIG, s.prompt_ids, 7)
+        assert list(s.output_ids) == want
+        np.testing.assert_allclose(s.output_logprobs, want_logp, atol=1e-4)
+    assert balanced(engine)
+
 class TestVersionRules:
     def test_older_version_raises_and_changes_nothing(self):
         engine = make_engine()
@@ -348,6 +368,28 @@ def test_released_weights_come_back_at_the_next_call():
     batch = engine.rollout(newer, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == [
         dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]
+
+
+def test_release_with_drop_kv_frees_the_pool_and_the_next_call_rebuilds_it():
+    """release_weights(drop_kv=True) (the synchronous loop's train phase): no cached entry
+    and no KV pool remain; the next call at a newer version runs on a fresh pool and equals
+    the dense model, and one at the same version simply misses the cache."""
+    engine = make_engine()
+    engine.rollout(varied_params(0), 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert engine.cache_stats().cached_pages > 0
+    engine.release_weights(drop_kv=True)
+    assert engine._runner.kv is None and engine.cache_stats().cached_pages == 0
+    assert engine.version == 0 and balanced(engine)
+    again = engine.rollout(varied_params(0), 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert again.cached_tokens == 0
+    engine.release_weights(drop_kv=True)
+    newer = varied_params(1)
+    batch = engine.rollout(newer, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == [
+        dense_greedy(newer, CONFIG, p, 7)[0] for p in PROMPTS]
+    assert balanced(engine)
+    with pytest.raises(TypeError, match="drop_kv"):
+        engine.release_weights(drop_kv=1)
 
 
 def test_a_borrowing_sync_holds_the_callers_arrays_until_released():

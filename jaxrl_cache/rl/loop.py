@@ -72,7 +72,9 @@ class SyncRollouts:
                         if self.episodes is None else
                         self.engine.rollout_episodes(*args, sampling=self.sampling, rng=rng,
                                                      **self.episodes)))
-        self.engine.release_weights()  # the trainer holds the only copy while it updates
+        # the trainer holds the only copy of the params while it updates, and no KV pool
+        # (the next call runs at a newer version: it could reuse none of the cached KV)
+        self.engine.release_weights(drop_kv=True)
         return out
 
     def publish(self, state: TrainState) -> WeightAck:

@@ -204,17 +204,25 @@ class RolloutEngine:
             raise TypeError(f"borrow must be a bool, got {type(borrow).__name__}")
         return self._serialized(self._sync, params, version, bool(borrow))
 
-    def release_weights(self) -> None:
-        """Frees the resident params until the next sync or rollout; the version and the
-        prefix cache stay. For a synchronous loop: the trainer then holds the only copy
-        while it updates (peak memory: params, grads and optimizer state, no engine copy).
-        A rollout at the same version copies the caller's params again (they must be that
-        version's weights, as for any rollout call). Refused while an asynchronous call is
-        in flight (its decode chunks read these weights)."""
+    def release_weights(self, *, drop_kv: bool = False) -> None:
+        """Frees the resident params until the next sync or rollout; the version stays. For
+        a synchronous loop: the trainer then holds the only copy while it updates (peak
+        memory: params, grads and optimizer state, no engine copy). A rollout at the same
+        version copies the caller's params again (they must be that version's weights, as
+        for any rollout call). drop_kv: also drop every prefix-cache entry and free the KV
+        pool (rebuilt empty by the next call), for a loop whose next call runs at a newer
+        version, which could reuse none of it. Refused while an asynchronous call is in
+        flight (its decode chunks read these weights)."""
+        if not isinstance(drop_kv, (bool, np.bool_)):
+            raise TypeError(f"drop_kv must be a bool, got {type(drop_kv).__name__}")
+
         def release():
             if self._call_lock.locked():
                 raise RuntimeError("release_weights while an asynchronous rollout call is in "
                                    "flight: its decode chunks use the resident weights")
+            if drop_kv:
+                self.cache.clear()  # raises, changing nothing, if a live request holds pages
+                self._runner.release_pool()
             self._weights = self._weights._replace(params=None, source=())
         self._serialized(release)
 
@@ -444,21 +452,34 @@ class RolloutEngine:
 
     def _step(self, run: scheduler.Run) -> None:
         """One round of a call (engine lock held): admit (re-prefills of rows whose KV an
-        update dropped first, then waiting samples), one packed prefill, one decode chunk."""
+        update dropped first, then waiting samples) by packed prefills, one decode chunk."""
         if self._active is run and self._weights.version > run.weights.version:
             run.weights = self._weights  # a sync during the call moved past its version
         run.await_work()
-        claims = page_claims.Round(run)
-        units = run.admit(claims)
-        if units:
-            self._runner.prefill(run, units)
-            claims.publish(units)
-        elif run.idle:
-            return  # episodes: every episode left is with its environment, or ended
-        elif all(r is None or r.resume for r in run.slots):
-            raise AssertionError("scheduler made no progress")  # the pre-check forbids it
+        if not self._admit(run):
+            if run.idle:
+                return  # episodes: every episode left is with its environment, or ended
+            if all(r is None or r.resume for r in run.slots):
+                raise AssertionError("scheduler made no progress")  # the pre-check forbids it
         slots, chunk = self._runner.decode(run)
         retire.finish_rows(run, slots, run.apply(slots, *chunk))
+
+    def _admit(self, run: scheduler.Run) -> bool:
+        """Admission rounds, each one packed prefill of at most max_prefill_tokens (soft),
+        until no waiting sample fits: every row admitted before a decode chunk decodes in it
+        (a prompt batch over the budget no longer leaves a tail that decodes alone in extra
+        chunks). Returns whether any row was admitted."""
+        earlier: list[int] = []  # slots prefilled by an earlier round of this step
+        while True:
+            claims = page_claims.Round(run)
+            units = run.admit(claims)
+            if not units:
+                return bool(earlier)
+            self._runner.prefill(run, units, keep=earlier)
+            claims.publish(units)
+            earlier += [slot for _, slots in units for slot in slots]
+            if not run.waiting or all(row is not None for row in run.slots):
+                return True
 
     def _finish_run(self, run: scheduler.Run, staged: _Weights | None, start: float
                     ) -> WeightAck | None:

@@ -64,21 +64,37 @@ class Runner:
         return jax.device_put(init_kv_cache(self.model_config, cfg.num_pages, cfg.page_size),
                               self.device)
 
+    def release_pool(self) -> None:
+        """Frees the KV pool (no page may hold anything a reader needs); the next core call
+        starts from a fresh empty one."""
+        self.kv = None
+
+    def _pool(self):
+        if self.kv is None:
+            self.kv = self.fresh_pool()
+        return self.kv
+
     def pool_lost(self) -> bool:
         """True iff a failed core call left the (donated) pool deleted."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv))
 
-    def prefill(self, run: scheduler.Run, units) -> None:
+    def prefill(self, run: scheduler.Run, units, keep: list[int] = ()) -> None:
         """One packed prefill of the round's units ((unit, slots) pairs) with the run's
-        params; the run keeps the logits its fresh rows start decoding from."""
+        params; the run keeps the logits its fresh rows start decoding from. keep: slots an
+        earlier prefill of this step filled (their logits are kept)."""
         cfg = self.scheduler_config
         total = sum(u.new_tokens for u, _ in units)
         arrays = scheduler.pack_prefill(units, max(16, next_power_of_2(total)),
                                         next_power_of_2(len(units)), run.width,
                                         cfg.max_num_seqs, run.ps)
-        run.fresh_logits, self.kv = core.prefill_step(
-            run.weights.params, self.kv, *dataclasses.astuple(arrays),
+        logits, self.kv = core.prefill_step(
+            run.weights.params, self._pool(), *dataclasses.astuple(arrays),
             config=self.model_config, backend=self.backend, mesh=self.mesh)
+        if len(keep):
+            earlier = np.zeros((cfg.max_num_seqs, 1), bool)
+            earlier[list(keep)] = True
+            logits = jnp.where(earlier, run.fresh_logits, logits)
+        run.fresh_logits = logits
         run.computed += total
         run.prefills += 1
 
@@ -105,7 +121,7 @@ class Runner:
         elif fresh_logits.shape[0] != width:
             fresh_logits = _resize_rows(fresh_logits, width)
         out = core.decode_chunk(
-            run.weights.params, self.kv, fresh_logits, arrays.fresh,
+            run.weights.params, self._pool(), fresh_logits, arrays.fresh,
             arrays.last_token, arrays.position, arrays.page_table, arrays.shared_pages,
             arrays.budget,
             arrays.sample_index, arrays.emitted, run.stops, np.int32(refill_at),
