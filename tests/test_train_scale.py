@@ -177,7 +177,9 @@ def test_micro_batches_do_not_change_the_update(loss_type):
         results.append((shape, state.params, float(m["loss"])))
     assert len({shape[1] for shape, _, _ in results}) == 3  # 1, ~4, ~16 micro-batches
     for _, params, loss in results[1:]:
-        np.testing.assert_allclose(loss, results[0][2], rtol=1e-5, atol=1e-7)
+        # the loss is a sum of O(1) terms that cancel (group-normalised advantages at ratio
+        # 1): its value is fp32 rounding, ~terms x eps, and a split only reorders the sum
+        np.testing.assert_allclose(loss, results[0][2], rtol=1e-5, atol=2e-6)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(results[0][1])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
