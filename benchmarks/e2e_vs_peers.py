@@ -23,6 +23,7 @@ Benchmark-only installs (not project dependencies):
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -156,7 +157,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in s.items() if k != "reward_steps"}),
                   file=sys.stderr, flush=True)
             if out:  # written after every run: a later failure keeps what was measured
-                result = dict(date="2026-12-01", machine="CPU, 2 cores, shared",
+                result = dict(date=str(datetime.date.today()), machine="CPU, 2 cores, shared",
                               platform=platform.platform(), cpus=os.cpu_count(),
                               steps=args.steps, rounds=first_round + args.rounds,
                               st_xla_flags=ST_FLAGS,
