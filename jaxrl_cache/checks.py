@@ -1,7 +1,8 @@
 """Argument checks shared by every public entry point: typed errors that name the argument.
 
 Integers: Python or numpy ints (bools and floats refused, even 2.0). Reals: Python or numpy
-ints/floats (bools refused), always finite (NaN and inf refused).
+ints/floats (bools refused), always finite (NaN and inf refused). Flags: Python or numpy bools
+only (1 and "yes" refused).
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def as_count(value, name: str, *, minimum: int = 0, maximum: int | None = None) 
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be {bound}, got {value}")
     return int(value)
+
+
+def as_bool(value, name: str) -> bool:
+    """`value` as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r:.80}")
+    return bool(value)
 
 
 def as_real(value, name: str, *, minimum: float | None = None, maximum: float | None = None,

@@ -109,7 +109,6 @@ def test_prefix_cache_off_computes_every_prompt():
         dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS]
 
 
-
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_prompts_over_the_prefill_budget_all_decode_from_the_first_chunk(prefix_cache):
     """A prefill budget smaller than the prompts: several packed prefills run before the
@@ -128,6 +127,7 @@ def test_prompts_over_the_prefill_budget_all_decode_from_the_first_chunk(prefix_
         assert list(s.output_ids) == want
         np.testing.assert_allclose(s.output_logprobs, want_logp, atol=1e-4)
     assert balanced(engine)
+
 
 class TestVersionRules:
     def test_older_version_raises_and_changes_nothing(self):

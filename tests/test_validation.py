@@ -15,8 +15,8 @@ from jaxrl_cache.errors import (CacheFullError, PinnedPagesError, StalenessError
                                 VersionError)
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from jaxrl_cache.rl.train import (NonFiniteUpdate, TrainState, make_batch, optimizer_counts,
-                                  train_step)
+from jaxrl_cache.rl.train import (NonFiniteUpdate, TrainConfig, TrainState, make_batch,
+                                  optimizer_counts, train_step)
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, SchedulerConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -127,6 +127,21 @@ def test_scheduler_config_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         SchedulerConfig(**kwargs)
     assert type(SchedulerConfig(max_num_seqs=np.int64(8)).max_num_seqs) is int
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None, np.int64(1)])
+def test_every_flag_takes_bools_only(bad):
+    """One check (checks.as_bool) behind every bool argument: numpy bools pass as Python
+    bools, anything else is a TypeError naming the argument."""
+    makers = {"prefix_cache": lambda v: CacheConfig(prefix_cache=v),
+              "include_stop_str_in_output": lambda v: SamplingParams(
+                  include_stop_str_in_output=v),
+              "donate": lambda v: TrainConfig(donate=v)}
+    for name, make in makers.items():
+        with pytest.raises(TypeError, match=f"{name} must be a bool"):
+            make(bad)
+    assert CacheConfig(prefix_cache=np.bool_(False)).prefix_cache is False
+    assert TrainConfig(donate=np.bool_(True)).donate is True
 
 
 # ------------------------------------------------------------------ batches and steps

@@ -50,7 +50,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax import tree_utils as otu
 
-from jaxrl_cache.checks import as_count, as_real
+from jaxrl_cache.checks import as_bool, as_count, as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig, init_params
 from jaxrl_cache.parallel.mesh import DATA, FSDP
@@ -240,8 +240,7 @@ class TrainConfig:
                                 f"{value!r:.80}")
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r:.80}")
-        if not isinstance(self.donate, (bool, np.bool_)):
-            raise TypeError(f"donate must be a bool, got {type(self.donate).__name__}")
+        norm["donate"] = as_bool(self.donate, "donate")
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

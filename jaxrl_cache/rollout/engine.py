@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxrl_cache import parallel
 from jaxrl_cache.cache import CacheStats, RadixCache
-from jaxrl_cache.checks import as_count
+from jaxrl_cache.checks import as_bool, as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_params
@@ -200,9 +200,7 @@ class RolloutEngine:
         donate or delete them before that (a rollout on deleted weights raises).
         """
         version = as_version(version)
-        if not isinstance(borrow, (bool, np.bool_)):
-            raise TypeError(f"borrow must be a bool, got {type(borrow).__name__}")
-        return self._serialized(self._sync, params, version, bool(borrow))
+        return self._serialized(self._sync, params, version, as_bool(borrow, "borrow"))
 
     def release_weights(self, *, drop_kv: bool = False) -> None:
         """Frees the resident params until the next sync or rollout; the version stays. For
@@ -213,8 +211,7 @@ class RolloutEngine:
         pool (rebuilt empty by the next call), for a loop whose next call runs at a newer
         version, which could reuse none of it. Refused while an asynchronous call is in
         flight (its decode chunks read these weights)."""
-        if not isinstance(drop_kv, (bool, np.bool_)):
-            raise TypeError(f"drop_kv must be a bool, got {type(drop_kv).__name__}")
+        drop_kv = as_bool(drop_kv, "drop_kv")
 
         def release():
             if self._call_lock.locked():
@@ -470,7 +467,7 @@ class RolloutEngine:
         (a prompt batch over the budget no longer leaves a tail that decodes alone in extra
         chunks). Returns whether any row was admitted."""
         earlier: list[int] = []  # slots prefilled by an earlier round of this step
-        while True:
+        while True:  # run.admit stops on its own when no slot, page or sample is left
             claims = page_claims.Round(run)
             units = run.admit(claims)
             if not units:
@@ -478,8 +475,6 @@ class RolloutEngine:
             self._runner.prefill(run, units, keep=earlier)
             claims.publish(units)
             earlier += [slot for _, slots in units for slot in slots]
-            if not run.waiting or all(row is not None for row in run.slots):
-                return True
 
     def _finish_run(self, run: scheduler.Run, staged: _Weights | None, start: float
                     ) -> WeightAck | None:

@@ -78,7 +78,7 @@ class Runner:
         """True iff a failed core call left the (donated) pool deleted."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv))
 
-    def prefill(self, run: scheduler.Run, units, keep: list[int] = ()) -> None:
+    def prefill(self, run: scheduler.Run, units, keep: list[int] | None = None) -> None:
         """One packed prefill of the round's units ((unit, slots) pairs) with the run's
         params; the run keeps the logits its fresh rows start decoding from. keep: slots an
         earlier prefill of this step filled (their logits are kept)."""
@@ -90,7 +90,7 @@ class Runner:
         logits, self.kv = core.prefill_step(
             run.weights.params, self._pool(), *dataclasses.astuple(arrays),
             config=self.model_config, backend=self.backend, mesh=self.mesh)
-        if len(keep):
+        if keep:
             earlier = np.zeros((cfg.max_num_seqs, 1), bool)
             earlier[list(keep)] = True
             logits = jnp.where(earlier, run.fresh_logits, logits)

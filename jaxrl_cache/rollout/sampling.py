@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_cache.checks import as_count, as_real
+from jaxrl_cache.checks import as_bool, as_count, as_real
 from jaxrl_cache.spmd import per_batch_shard
 
 
@@ -61,10 +61,8 @@ class SamplingParams:
                 raise ValueError(f"stop[{i}] is an empty string (it would match before any "
                                  f"token)")
         norm["stop"] = tuple(texts)
-        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
-            raise TypeError(f"include_stop_str_in_output must be a bool, got "
-                            f"{type(self.include_stop_str_in_output).__name__}")
-        norm["include_stop_str_in_output"] = bool(self.include_stop_str_in_output)
+        norm["include_stop_str_in_output"] = as_bool(self.include_stop_str_in_output,
+                                                     "include_stop_str_in_output")
         for name, value in norm.items():
             object.__setattr__(self, name, value)
 

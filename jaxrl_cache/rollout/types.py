@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl_cache.checks import as_count
+from jaxrl_cache.checks import as_bool, as_count
 from jaxrl_cache.rollout.sampling import SamplingParams
 
 
@@ -22,10 +22,7 @@ class CacheConfig:
                                                        maximum=2**31 - 1))  # int32 page ids
         object.__setattr__(self, "page_size", as_count(self.page_size, "page_size", minimum=1,
                                                        maximum=2**16))
-        if not isinstance(self.prefix_cache, (bool, np.bool_)):
-            raise TypeError(f"prefix_cache must be a bool, got "
-                            f"{type(self.prefix_cache).__name__} {self.prefix_cache!r:.80}")
-        object.__setattr__(self, "prefix_cache", bool(self.prefix_cache))
+        object.__setattr__(self, "prefix_cache", as_bool(self.prefix_cache, "prefix_cache"))
 
 
 @dataclasses.dataclass(frozen=True)
