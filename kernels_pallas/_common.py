@@ -76,24 +76,21 @@ def flatten_pool(pages, layer):
 
 
 def gather_kv(k_pages, v_pages, page_table):
-    """The pages of each table row as f32 operands laid out for CPU matmuls (the xla paths).
+    """The pages of each table row, in position order (the xla paths).
 
     k_pages, v_pages [N, Hkv, ps, D] flat pools; page_table int32 [R, W] (already offset) ->
-    k [R, Hkv, D, W * ps] (keys transposed: q @ k contracts k's rows, no transposed-operand
-    matmul), v [R, Hkv, W * ps, D].
+    k, v [R, Hkv, W * ps, D] in the pool's dtype.
     """
     rows, width = page_table.shape
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
 
     def pages(pool):  # whole pages as rows of one 2-D gather (XLA:CPU copies rows fastest)
         rows_of = pool.reshape(num_pages, -1)[page_table]  # [R, W, Hkv * ps * D]
-        return rows_of.reshape(rows, width, num_kv_heads, page_size, head_dim)
+        rows_of = rows_of.reshape(rows, width, num_kv_heads, page_size, head_dim)
+        return jnp.transpose(rows_of, (0, 2, 1, 3, 4)).reshape(
+            rows, num_kv_heads, width * page_size, head_dim)
 
-    k = jnp.transpose(pages(k_pages), (0, 2, 4, 1, 3))  # [R, Hkv, D, W, ps]
-    k = k.reshape(rows, num_kv_heads, head_dim, width * page_size)
-    v = jnp.transpose(pages(v_pages), (0, 2, 1, 3, 4))  # [R, Hkv, W, ps, D]
-    v = v.reshape(rows, num_kv_heads, width * page_size, head_dim)
-    return k.astype(jnp.float32), v.astype(jnp.float32)
+    return pages(k_pages), pages(v_pages)
 
 
 def check_kernel_shapes(page_size: int, head_dim: int) -> None:

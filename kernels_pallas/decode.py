@@ -21,6 +21,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
 from kernels_pallas._common import MASK_VALUE
+from kernels_pallas.blocked import (KEY_BLOCK, block_scores, block_values, combine_blocks,
+                                    key_blocks, softmax_blocks)
 from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
 
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
@@ -214,39 +216,56 @@ def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, pl
 
 def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
                            sm_scale=None, shared_pages=None):
-    """Pure-jnp paged decode: gathers each row's pages once, then dense masked attention.
+    """Pure-jnp paged decode in the canonical order of `kernels_pallas.blocked` (the `xla`
+    backend, the fast CPU path): bit for bit what the dense causal forward computes.
 
     q [B, Hq, D]; k_pages/v_pages [P, Hkv, page_size, D] or [L, P, Hkv, page_size, D] with
-    `layer`; page_table int32 [B, W]; seq_lens int32 [B] -> [B, Hq, D]. This is the `xla`
-    backend (the fast CPU path); it gathers the table's pages of one layer, never the layer.
-    shared_pages int32 [S] (optional): the first S pages of every row (a shared prompt),
-    gathered once and attended by all rows in one matmul; page_table then holds each row's
-    pages after them (positions S * page_size on). Shared pages must be fully written.
+    `layer`; page_table int32 [B, W]; seq_lens int32 [B] -> [B, Hq, D]. Gathers the table's
+    pages of one layer, never the layer. shared_pages int32 [S] (optional): the first S
+    pages of every row (a shared prompt), gathered once and scored for all rows in one dot
+    when they end on a key-block edge; page_table then holds each row's pages after them.
+    Shared pages must be fully written.
     """
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[-3]
+    num_kv_heads, page_size = k_pages.shape[-3], k_pages.shape[-2]
     k_pages, page_offset = c.flatten_pool(k_pages, layer)
     v_pages, _ = c.flatten_pool(v_pages, layer)
-    page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
-    k, v = c.gather_kv(k_pages, v_pages, page_table)
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bhdl->bhgl", qg, k, preferred_element_type=jnp.float32) * scale
-    shared = 0 if shared_pages is None else shared_pages.shape[0] * k_pages.shape[-2]
-    if shared:  # score index = absolute position: the shared keys come first
-        k_shared, v_shared = c.gather_kv(k_pages, v_pages, shared_pages[None] + page_offset)
-        s = jnp.concatenate([jnp.einsum("bhgd,hdl->bhgl", qg, k_shared[0]) * scale, s], -1)
-    valid = jnp.arange(s.shape[-1])[None, :] < seq_lens[:, None]  # [B, L]
-    s = jnp.where(valid[:, None, None, :], s, c.MASK_VALUE)
-    p = jnp.exp(s - s.max(axis=-1, keepdims=True))
-    p = jnp.where(valid[:, None, None, :], p, 0.0)
-    denom = p.sum(axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    v = jnp.where(valid[:, None, shared:, None], v, 0.0)  # free slots may hold NaN/Inf
-    out = jnp.einsum("bhgl,bhld->bhgd", p[..., shared:], v)
+    shared = 0 if shared_pages is None else shared_pages.shape[0]
+    if shared and (shared * page_size) % KEY_BLOCK:  # not on a block edge: per row
+        page_table = jnp.concatenate(
+            [jnp.broadcast_to(shared_pages, (batch, shared)), page_table], axis=1)
+        shared = 0
+    shared_keys = shared * page_size
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    k, v = c.gather_kv(k_pages, v_pages, page_table + page_offset)  # [B, Hkv, L, D]
+    valid = jnp.arange(k.shape[2])[None, :] < (seq_lens - shared_keys)[:, None]  # [B, L]
+    v = jnp.where(valid[:, None, :, None], v, jnp.zeros_like(v))  # free slots: NaN/Inf
+    kb, vb = key_blocks(k, 2), key_blocks(v, 2)  # [B, Hkv, NB, KB, D]
+    scores = block_scores(qg, kb, scale)  # [B, Hkv, NB, G, KB]
+    visible = key_blocks(valid, 1)[:, None, :, None, :]  # [B, 1, NB, 1, KB]
     if shared:
-        out = out + jnp.einsum("bhgl,hld->bhgd", p[..., :shared], v_shared[0])
+        ks, vs = c.gather_kv(k_pages, v_pages, shared_pages[None] + page_offset)
+        ks, vs = key_blocks(ks[0], 1), key_blocks(vs[0], 1)  # [Hkv, NS, KB, D]
+        q_all = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, batch * group, head_dim)
+        s_shared = block_scores(q_all, ks, scale)  # [Hkv, NS, B * G, KB]
+        s_shared = s_shared.reshape(num_kv_heads, -1, batch, group, KEY_BLOCK)
+        scores = jnp.concatenate([s_shared.transpose(2, 0, 1, 3, 4), scores], axis=2)
+        vis_shared = key_blocks(jnp.arange(shared_keys)[None, :] < seq_lens[:, None], 1)
+        visible = jnp.concatenate([vis_shared[:, None, :, None, :],
+                                   jnp.broadcast_to(visible, (batch, 1) + visible.shape[2:])],
+                                  axis=2)
+    p, l_blocks = softmax_blocks(scores, visible)  # [B, Hkv, NB', G, KB]
+    num_shared = scores.shape[2] - kb.shape[2]
+    o = block_values(p[:, :, num_shared:], vb)  # [B, Hkv, NB, G, D]
+    if shared:
+        p_shared = p[:, :, :num_shared].transpose(1, 2, 0, 3, 4)  # [Hkv, NS, B, G, KB]
+        o_shared = block_values(
+            p_shared.reshape(num_kv_heads, num_shared, batch * group, KEY_BLOCK), vs)
+        o_shared = o_shared.reshape(num_kv_heads, num_shared, batch, group, head_dim)
+        o = jnp.concatenate([o_shared.transpose(2, 0, 1, 3, 4), o], axis=2)
+    out = combine_blocks(o, l_blocks)  # [B, Hkv, G, D]
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
 from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
+from kernels_pallas.blocked import blocked_attention
 
 
 # Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
@@ -169,39 +170,34 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
 
 def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
                             layer=None, sm_scale=None, block_q: int = 32):
-    """Pure-jnp paged prefill (the `xla` backend).
+    """Pure-jnp paged prefill (the `xla` backend) in the canonical order of
+    `kernels_pallas.blocked`: bit for bit what the dense causal forward computes.
 
-    Query tiles of block_q tokens each gather their sequence's pages once and run a dense
-    masked attention; memory O(T / block_q * W * page_size), fine on CPU for the demo.
+    Query tiles of block_q tokens each gather their sequence's pages once and attend them
+    block by block; memory O(T / block_q * W * page_size), fine on CPU for the demo.
     Shapes as `paged_prefill_attention`; gathers the table's pages of one layer, never the layer.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[-3]
     k_pages, page_offset = c.flatten_pool(k_pages, layer)
     v_pages, _ = c.flatten_pool(v_pages, layer)
-    page_table = page_table + page_offset
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
     block_q = min(block_q, c.next_power_of_2(num_tokens))
     tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
 
-    # k [NT, Hkv, D, L], v [NT, Hkv, L, D]
-    k, v = c.gather_kv(k_pages, v_pages, page_table[tile_seq])
-    qt = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src].astype(jnp.float32)  # [NT, bq, Hq, D]
-    qt = qt.reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
-    s = jnp.einsum("tqhgd,thdk->thgqk", qt, k) * scale  # [NT, Hkv, G, bq, L]
-    row_pos = q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [NT, bq]
-    col = jnp.arange(v.shape[2])
-    mask = (col[None, None, :] <= row_pos[:, :, None]) & (col[None, None, :] < kv_len[:, None,
-                                                                                       None])
-    mask = mask[:, None, None]  # [NT, 1, 1, bq, L]
-    s = jnp.where(mask, s, c.MASK_VALUE)
-    p = jnp.where(mask, jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
-    denom = p.sum(axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    v = jnp.where((col[None, :] < kv_len[:, None])[:, None, :, None], v, 0.0)  # free slots
-    out = jnp.einsum("thgqk,thkd->tqhgd", p, v)
+    k, v = c.gather_kv(k_pages, v_pages, page_table[tile_seq] + page_offset)  # [NT, Hkv, L, D]
+    col = jnp.arange(k.shape[2])
+    v = jnp.where((col[None, :] < kv_len[:, None])[:, None, :, None], v, jnp.zeros_like(v))
+    qt = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src]  # [NT, bq, Hq, D]
+    qt = qt.reshape(num_tiles, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qt = qt.reshape(num_tiles, num_kv_heads, block_q * group, head_dim)
+    row_pos = jnp.repeat(q_pos0[:, None] + jnp.arange(block_q)[None, :], group, axis=1)
+    visible = (col[None, None, :] <= row_pos[:, :, None]) & (col[None, None, :]
+                                                              < kv_len[:, None, None])
+    out = blocked_attention(qt, k, v, visible[:, None], scale)  # [NT, Hkv, bq * G, D]
+    out = out.reshape(num_tiles, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(num_tiles, block_q, num_q_heads, head_dim).astype(q.dtype)
     return _scatter_tiles(out, src, num_tokens)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.spmd import split_batch
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels_pallas.blocked import blocked_attention, pad_rows, tree_sum
 
 
 class DecoderLayers(nnx.Module):
@@ -87,10 +88,28 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
     return DecoderLM(config, rngs=nnx.Rngs(params=key)).params()
 
 
+MIN_MATMUL_ROWS = 64  # fewer token rows are zero-padded up to this (see `dense`)
+
+
+def dense(x, w, out_dtype=None):
+    """x [..., K] @ w [K, N] -> [..., N] (out_dtype: the accumulation/result dtype, default
+    x's), batch-invariant: a token row's result does not depend on how many rows share the
+    call. XLA:CPU picks another dot kernel (another reduction order) for small row counts
+    (rows < 48 at K = 576 give other bits than the same row among 256), so the rows are
+    zero-padded to MIN_MATMUL_ROWS; from there every row count gives the same bits
+    (tests/test_numerics.py). Training batches and prefills are past it already."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    out = jnp.matmul(pad_rows(rows, 0, MIN_MATMUL_ROWS), w, preferred_element_type=out_dtype)
+    return out[:rows.shape[0]].reshape(*lead, w.shape[-1])
+
+
 def rms_norm(x, weight, eps):
-    """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
+    """RMSNorm over the last axis, computed in fp32 (the mean by a fixed tree, `tree_sum`),
+    returned in x's dtype."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean = (tree_sum(x32 * x32, -1) / x.shape[-1])[..., None]
+    x32 = x32 * jax.lax.rsqrt(mean + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -106,7 +125,7 @@ def rotary(x, positions, inv_freq):
 def _qkv(layer, config, h, positions):
     """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied.
     `layer` holds one block's weights (no layer axis)."""
-    q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
+    q, k, v = dense(h, layer["wq"]), dense(h, layer["wk"]), dense(h, layer["wv"])
     if config.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     lead = h.shape[:-1]
@@ -121,14 +140,15 @@ def _qkv(layer, config, h, positions):
 
 
 def _mlp(layer, h):
-    return (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    return dense(jax.nn.silu(dense(h, layer["w_gate"])) * dense(h, layer["w_up"]),
+                 layer["w_down"])
 
 
 def lm_logits(params, config, x):
     """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
+    return dense(x, head, jnp.float32)
 
 
 REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is recomputed)
@@ -149,7 +169,7 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
         q, k, v = _qkv(layer, config, h, positions)
         attn, kv_cache = attend(index, q, k, v, kv_cache)
-        attn = attn.reshape(*attn.shape[:-2], -1) @ layer["wo"]
+        attn = dense(attn.reshape(*attn.shape[:-2], -1), layer["wo"])
         x = x + (attn + layer["bo"] if config.out_bias else attn)
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
         return (x, kv_cache, index + 1), None
@@ -167,7 +187,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     tokens int32 [B, T] (T <= max_seq_len); positions int32 [B, T] (default 0..T-1);
     segments int32 [B, T] (default: one segment per row): packed rows hold several
     sequences, a token attends only to earlier tokens of its own segment, and positions
-    restart per sequence. Returns x [B, T, d_model] in the params' dtype.
+    restart per sequence; for the sampler's bits a sequence starts on a multiple of
+    KEY_BLOCK (`kernels_pallas.blocked`). Returns x [B, T, d_model] in the params' dtype.
     """
     batch, length = tokens.shape
     if segments is None and length > config.max_seq_len:  # packed rows: positions restart
@@ -177,14 +198,16 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
     if segments is not None:
         mask = mask & (segments[:, :, None] == segments[:, None, :])
-    group = config.n_heads // config.n_kv_heads
+    hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
+    visible = jnp.repeat(mask, group, axis=1)[:, None]  # [B or 1, 1, T * G, T]
 
-    def attend(_, q, k, v, kv_cache):
-        k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                       preferred_element_type=jnp.float32) * config.head_dim ** -0.5
-        p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v), kv_cache
+    def attend(_, q, k, v, kv_cache):  # the sampler's order (kernels_pallas.blocked)
+        qg = q.reshape(batch, length, hkv, group, hd).transpose(0, 2, 1, 3, 4)
+        out = blocked_attention(qg.reshape(batch, hkv, length * group, hd),
+                                k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible,
+                                hd ** -0.5)  # [B, Hkv, T * G, D]
+        out = out.reshape(batch, hkv, length, group, hd).transpose(0, 2, 1, 3, 4)
+        return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
 
     x = params["embed"][tokens]
     x, _ = _decoder(params, config, x, positions, attend, None, remat)

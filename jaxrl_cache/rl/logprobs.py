@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.llama import hidden_states, lm_logits
-from jaxrl_cache.rollout.sampling import SamplingParams, filter_kind, warped_logits
+from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_probs_at,
+                                          warped_logits)
 
 LOGPROB_CHUNK = 512  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
 
@@ -63,8 +64,7 @@ def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk):
         xc, tc = xt
         logits = warped_logits(lm_logits(params, config, xc), knobs["temperature"],
                                knobs["top_p"], knobs["top_k"], kind)  # [B, width, V]
-        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        return None, picked - jax.nn.logsumexp(logits, axis=-1)
+        return None, log_probs_at(logits, tc)
 
     _, logp = jax.lax.scan(chunk_log_probs, None, (xs, ts))
     return logp.swapaxes(0, 1).reshape(batch, steps * width)[:, :length]

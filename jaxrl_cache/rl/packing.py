@@ -1,7 +1,8 @@
 """Samples packed into micro-batches under a token budget.
 
-Sequences are packed first-fit-decreasing into rows of R tokens (several per row: segment
-ids keep attention inside a sequence, positions restart at 0), rows are grouped into M
+Sequences are packed first-fit-decreasing into rows of R tokens (several per row, each
+starting on a multiple of KEY_BLOCK: segment ids keep attention inside a sequence,
+positions restart at 0), rows are grouped into M
 micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
 shape [U, M, B, R], so one compiled step serves every micro-batch. R is a multiple (1-4x,
 at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to 32,
@@ -17,6 +18,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import numpy as np
+
+from kernels_pallas.blocked import KEY_BLOCK
 
 ROW_ALIGN = 32
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
@@ -126,6 +129,13 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     return (reuse or best)[1:]
 
 
+def aligned_length(n: int) -> int:
+    """Columns a sequence of n tokens takes in a packed row: every sequence starts on a
+    multiple of KEY_BLOCK, so attention reduces its keys in the blocks the sampler used
+    (`kernels_pallas.blocked`) and the trainer reproduces the sampler's bits."""
+    return _round_up(n, KEY_BLOCK)
+
+
 def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, audited, *,
          parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
          known=()) -> PackedBatch:
@@ -137,7 +147,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the K
     (`scored_columns`) compiled with it.
     """
-    lengths = np.array([len(s) for s in sequences])
+    lengths = np.array([aligned_length(len(s)) for s in sequences])
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
                                          row_multiple, known)
     shape = (len(parts), micro, per_micro, width)
@@ -162,7 +172,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                 for key, value in (("weights", weights), ("behavior", behavior),
                                    ("versions", versions), ("audited", audited)):
                     out[key][row][at + p - 1:at + p - 1 + o] = value[i]
-                at += n
+                at += aligned_length(n)
     ks = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
     out["scored"] = scored_columns(out["weights"], ks)
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxrl_cache.checks import as_bool, as_count, as_real
 from jaxrl_cache.spmd import per_batch_shard
+from kernels_pallas.blocked import tree_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +76,26 @@ class SamplingParams:
 TOP_K_CAP = 256  # top_k up to this uses lax.top_k; larger k falls back to a full sort
 
 
+def log_normaliser(warped):
+    """warped f32 [..., V] (-inf = excluded) -> log sum exp over V [...], in one fixed order
+    (max, then a halving tree of exp(x - max), `tree_sum`) whatever the leading shape: the
+    sampler's recorded log-probs and the trainer's teacher-forced ones share these bits."""
+    top = jax.lax.stop_gradient(jnp.max(warped, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    return top[..., 0] + jnp.log(tree_sum(jnp.exp(warped - top), -1))
+
+
+def log_probs_at(warped, tokens):
+    """warped f32 [..., V], tokens int32 [...] -> log-prob of each token under
+    softmax(warped) [...]: the one formula behind every recorded and recomputed log-prob."""
+    picked = jnp.take_along_axis(warped, tokens[..., None], axis=-1)[..., 0]
+    return picked - log_normaliser(warped)
+
+
 def _nucleus_threshold(sorted_desc, top_p):
     """sorted_desc f32 [..., K] (descending, -inf = excluded) -> the smallest kept value [..., 1]
     of the top-p nucleus over the renormalised set: tokens whose preceding mass is < top_p."""
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    probs = jnp.exp(sorted_desc - log_normaliser(sorted_desc)[..., None])
     before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
     return jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
@@ -156,7 +173,8 @@ def behavior_log_probs(logits, temperature, top_p, top_k):
     Scorers that know the setting statically use `warped_logits(..., filter_kind(...))`,
     which computes the same values without compiling the other branches.
     """
-    return jax.nn.log_softmax(_warped_at_run_time(logits, temperature, top_p, top_k), axis=-1)
+    warped = _warped_at_run_time(logits, temperature, top_p, top_k)
+    return warped - log_normaliser(warped)[..., None]
 
 
 DRAW_BLOCK = 128  # vocabulary block of the two-level inverse CDF
@@ -170,14 +188,13 @@ def _last_positive(mass):
 
 def _draw(warped, keys):
     """warped f32 [B, V] (-inf = excluded, one finite entry per row at least), keys [B] ->
-    (tokens int32 [B], log_normaliser f32 [B]).
+    tokens int32 [B].
 
     Exact inverse-CDF sampling from softmax(warped) with one uniform per row: the row's
     mass is cut into blocks of DRAW_BLOCK tokens; a cumulative sum over the block masses
     picks the block, one over that block picks the token. One pass over [B, V] (exp and
     block sums), unlike Gumbel-max's V random draws per row. Rounding can never pick an
     excluded token: the search only stops on a positive mass, clamped to the last one.
-    log_normaliser: logsumexp of the row, so a token's log-prob is warped[token] - it.
     """
     rows, vocab = warped.shape
     pad = -vocab % DRAW_BLOCK
@@ -194,8 +211,7 @@ def _draw(warped, keys):
     rest = jnp.maximum(target - before, 0.0)
     within = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= rest[:, None], axis=-1),
                          _last_positive(inner))
-    tokens = (block * DRAW_BLOCK + within).astype(jnp.int32)
-    return tokens, top[:, 0] + jnp.log(cdf[:, -1])
+    return (block * DRAW_BLOCK + within).astype(jnp.int32)
 
 
 def sample_tokens(logits, keys, temperature, top_p, top_k):
@@ -203,6 +219,6 @@ def sample_tokens(logits, keys, temperature, top_p, top_k):
     behavior logprobs f32 [B]). Per-row keys make a row's draw independent of its batch;
     a draw depends only on its key (one uniform, `_draw`)."""
     warped = _warped_at_run_time(logits, temperature, top_p, top_k)
-    drawn, log_normaliser = _draw(warped, keys)
+    drawn = _draw(warped, keys)
     tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(warped, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+    return tokens, log_probs_at(warped, tokens)

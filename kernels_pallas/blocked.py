@@ -1,0 +1,139 @@
+"""One reduction order for every attention: the batch-invariant softmax over key blocks.
+
+The decode and prefill references (the `xla` backend), the kernels and the trainer's dense
+causal forward all reduce in this order, so a query sees the same bits whichever way it is
+batched, paged or packed:
+
+- keys are cut into blocks of KEY_BLOCK consecutive positions, aligned at position 0 of
+  the query's own sequence (a packed training row starts every sequence on a block edge);
+- a block's scores are one dot of K = head_dim (`block_scores`), scaled by one multiply;
+- the row maximum is taken over every visible key (a max is exact in any order);
+- a block's probabilities exp(s - max) are summed by a fixed halving tree (`tree_sum`), its
+  p @ v is one dot of K = KEY_BLOCK;
+- block results are added left to right, first block first (`chain_sum`). Invisible keys
+  contribute exact zeros, and x + 0 == x, so blocks before a sequence's start (other
+  segments of a packed row) or after its end (padding, free page slots) change nothing.
+
+The dots rely on one property of the XLA:CPU dot, checked by tests/test_numerics.py: an
+element of a batched [M, K] x [K, N] dot with these K and N does not depend on M (M > 1)
+or on the batch it is in.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas._common import next_power_of_2
+
+KEY_BLOCK = 16  # keys per block; sequences in packed rows start on multiples of it
+MIN_QUERY_ROWS = 4  # rows of a dot are padded up to this (a 1-row dot is a gemv)
+SCORE_KEYS = 64  # keys of a score dot are padded to a multiple of this (see block_scores)
+
+
+def tree_sum(x, axis: int = -1):
+    """Sum over `axis` by a halving tree of elementwise adds (zero-padded to a power of two).
+
+    The order depends only on the padded length, and trailing zeros never change the
+    result: a tree over 2n entries whose second half is 0 equals the tree over the first n.
+    """
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = next_power_of_2(max(n, 1))
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def chain_sum(x, axis: int):
+    """Sum over `axis` left to right: ((x0 + x1) + x2) + ... Leading and trailing zeros are
+    exact no-ops."""
+    x = jnp.moveaxis(x, axis, 0)
+    total = x[0]
+    for i in range(1, x.shape[0]):
+        total = total + x[i]
+    return total
+
+
+def pad_rows(x, axis: int, minimum: int):
+    """x padded with zero rows along `axis` to at least `minimum` entries."""
+    n = x.shape[axis]
+    if n >= minimum:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, minimum - n)
+    return jnp.pad(x, pad)
+
+
+def key_blocks(x, axis: int):
+    """x [..., L, ...] -> [..., L / KEY_BLOCK, KEY_BLOCK, ...] at `axis`, zero-padding L to a
+    multiple of KEY_BLOCK."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    padded = -(-n // KEY_BLOCK) * KEY_BLOCK
+    if padded != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, padded - n)
+        x = jnp.pad(x, pad)
+    return x.reshape(*x.shape[:axis], padded // KEY_BLOCK, KEY_BLOCK, *x.shape[axis + 1:])
+
+
+def block_scores(q, k, scale: float):
+    """q [..., M, D], k [..., NB, KEY_BLOCK, D] -> scaled scores f32 [..., NB, M, KEY_BLOCK].
+
+    One dot [M, D] x [D, NB * KEY_BLOCK] per query group, queries as its rows: XLA:CPU
+    gives an element the same bits for any M >= 2 and any column count that is a multiple
+    of 64 (not for 16, 32 or 96), so rows are padded to MIN_QUERY_ROWS and keys to a
+    multiple of SCORE_KEYS. (Written the other way round, keys x queries, XLA picks other
+    kernels again.)"""
+    m, nb = q.shape[-2], k.shape[-3]
+    q = pad_rows(q, -2, MIN_QUERY_ROWS)
+    per = SCORE_KEYS // KEY_BLOCK
+    k = pad_rows(k, -3, -(-nb // per) * per)
+    keys = k.reshape(*k.shape[:-3], -1, k.shape[-1])  # [..., NB' * KB, D]
+    s = jnp.einsum("...md,...ld->...ml", q, keys, preferred_element_type=jnp.float32)
+    s = s[..., :m, :nb * KEY_BLOCK].reshape(*s.shape[:-2], m, nb, KEY_BLOCK)
+    return jnp.moveaxis(s, -2, -3) * scale
+
+
+def block_values(p, v):
+    """p f32 [..., NB, M, KEY_BLOCK] (cast to v's dtype), v [..., NB, KEY_BLOCK, D] ->
+    f32 [..., NB, M, D]."""
+    m = p.shape[-2]
+    p = pad_rows(p.astype(v.dtype), -2, MIN_QUERY_ROWS)
+    o = jnp.einsum("...nmk,...nkd->...nmd", p, v, preferred_element_type=jnp.float32)
+    return o[..., :m, :]
+
+
+def softmax_blocks(s, visible):
+    """s f32 [..., NB, M, KB] block scores, visible bool (broadcastable to s) ->
+    (p f32 [..., NB, M, KB] unnormalised, 0 where invisible; l f32 [..., NB, M] block sums).
+    The max is over every visible key of a row (rows without one get p = 0)."""
+    s = jnp.where(visible, s, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(s, axis=(-3, -1), keepdims=True))  # [..., 1, M, 1]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(visible, jnp.exp(s - top), 0.0)
+    return p, tree_sum(p, -1)
+
+
+def combine_blocks(o_blocks, l_blocks):
+    """o_blocks f32 [..., NB, M, D], l_blocks f32 [..., NB, M] -> f32 [..., M, D]: both
+    chained over blocks, first block first; rows without a visible key are 0."""
+    o = chain_sum(o_blocks, -3)
+    denom = chain_sum(l_blocks, -2)
+    return o / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def blocked_attention(q, k, v, visible, scale: float):
+    """Attention in the canonical order for queries that share their keys.
+
+    q [..., M, D]; k, v [..., L, D] (key j at position j of the queries' sequence);
+    visible bool [..., M, L] (broadcastable). Returns f32 [..., M, D].
+    """
+    kb, vb = key_blocks(k, -2), key_blocks(v, -2)  # [..., NB, KB, D]
+    vis = key_blocks(jnp.broadcast_to(visible, (*visible.shape[:-1], k.shape[-2])), -1)
+    vis = jnp.moveaxis(vis, -2, -3)  # [..., NB, M, KB]
+    p, l_blocks = softmax_blocks(block_scores(q, kb, scale), vis)
+    return combine_blocks(block_values(p, vb), l_blocks)
