@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.rl.audit import AUDIT_TOLERANCE, AuditReport, audit_attribution
+from jaxrl_cache.rl.audit import AuditReport, audit_attribution, tolerance_for
 from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState,
                                   group_advantages, make_batch, sample_loss_mask,
                                   sample_token_versions, token_flags, train_step)
@@ -47,6 +47,8 @@ class Rollouts(Protocol):
 
     def close(self) -> dict: ...
 
+    audit_tolerance: float  # rl.audit.tolerance_for(the engine): 0 when its bits are exact
+
 
 class SyncRollouts:
     """Each step: `calls` rollout calls at the trainer's version, then train, then sync;
@@ -61,6 +63,7 @@ class SyncRollouts:
                  episodes: dict | None = None):
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
         self.calls, self.key, self.episodes = calls, key, episodes
+        self.audit_tolerance = tolerance_for(engine)
 
     def get(self, step: int, state: TrainState):
         out = []
@@ -95,6 +98,7 @@ class AsyncRollouts:
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
                  stop_timeout: float = 120.0, episodes: dict | None = None):
         self.calls, self.stop_timeout = calls, stop_timeout
+        self.audit_tolerance = tolerance_for(engine)
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
@@ -214,6 +218,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
                for meta, s, text in texts]
     t2 = time.perf_counter()
     in_step = train.mini_batches == 1 and train.compute_dtype == "float32"
+    tolerance = getattr(rollouts, "audit_tolerance", 0.0)
     elsewhere = version if in_step else None
     audited = flagged = checked = mixed = 0
     for _, batch in parts:
@@ -224,7 +229,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         else:
             subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
         report = audit_attribution(subset, history.params, state.config,
-                                   checked_elsewhere=elsewhere)
+                                   tolerance=tolerance, checked_elsewhere=elsewhere)
         audited += report.num_samples
         flagged += len(report.flagged)
         checked += report.num_checked_tokens
@@ -238,10 +243,11 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     try:
         new_state, metrics = train_step(state, batch, train, ref_params=ref_params, mesh=mesh,
                                         max_policy_lag=lag,
-                                        audit_tolerance=AUDIT_TOLERANCE if in_step else None)
+                                        audit_tolerance=tolerance if in_step else None)
     except AttributionFailure:  # nothing was applied: name the samples, as the audit does
         for _, b in parts:
-            _refuse(step, b, audit_attribution(b, history.params, state.config))
+            _refuse(step, b, audit_attribution(b, history.params, state.config,
+                                               tolerance=tolerance))
         raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
     if in_step:
@@ -266,6 +272,10 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         cache_hit_rate=sum(b.cached_tokens for b in batches) / max(context, 1),
         prefill_saved=sum(b.reused_tokens for b in batches) / max(context, 1),
         audited_samples=audited, audit_checked_tokens=checked, audit_failed=flagged,
+        audit_tolerance=tolerance,
+        logprob_mismatch_max=float(metrics["logprob_mismatch_max"]),
+        logprob_mismatch_mean=float(metrics["logprob_mismatch_mean"]),
+        logprob_mismatch_kl=float(metrics["logprob_mismatch_kl"]),
         mixed_tokens=mixed, recomputed_tokens=sum(b.recomputed_tokens for b in batches),
         invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
         sync_bytes=ack.copied_bytes,

@@ -529,8 +529,9 @@ def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, ver
     loss = (mb.weights * token_loss).sum()
     staleness = version - mb.versions
     check = (mb.audited > 0) & (mb.versions == version)  # tokens these very params sampled
-    gap = jnp.abs(jax.lax.stop_gradient(logp) - mb.behavior)
-    gap = jnp.where(check, jnp.where(jnp.isnan(gap), jnp.inf, gap), 0.0)
+    delta = jnp.where(check, jax.lax.stop_gradient(logp) - mb.behavior, 0.0)
+    gap = jnp.where(jnp.isnan(delta), jnp.inf, jnp.abs(delta))
+    drift = jnp.where(check, jnp.exp(delta) - delta - 1.0, 0.0)  # k3 of KL(sampler||trainer)
     sums = dict(tokens=mask.sum(), ratio=on(ratio).sum(),
                 ratio_max=jnp.where(mask, ratio, 0).max(),
                 clipped=((jnp.abs(ratio - 1) > clip_eps) & mask).sum(),
@@ -538,7 +539,8 @@ def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, ver
                 truncated=truncated.sum(), kl=on(kl).sum(), staleness=on(staleness).sum(),
                 staleness_max=jnp.where(mask, staleness, 0).max(),
                 newest=jnp.where(mask, mb.versions, 0).max(),
-                audit_diff_max=gap.max(), audit_tokens=check.sum())
+                audit_diff_max=gap.max(), audit_diff_sum=gap.sum(), audit_kl_sum=drift.sum(),
+                audit_tokens=check.sum())
     return loss, sums
 
 
@@ -599,8 +601,8 @@ def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs,
                    is_truncated_fraction=sums["truncated"] / tokens, kl=sums["kl"] / tokens,
                    staleness_mean=sums["staleness"] / tokens,
                    staleness_max=sums["staleness_max"], newest_token_version=sums["newest"],
-                   audit_diff_max=sums["audit_diff_max"],
-                   audit_checked_tokens=sums["audit_tokens"])
+                   audit_diff_max=sums["audit_diff_max"], audit_diff_sum=sums["audit_diff_sum"],
+                   audit_kl_sum=sums["audit_kl_sum"], audit_checked_tokens=sums["audit_tokens"])
     return params, opt_state, metrics
 
 
@@ -654,8 +656,12 @@ def _summary(metrics: dict, version: int, updates: int) -> dict:
     """Scalars over the updates: means, maxima of the *_max keys, the last lr; per-update
     arrays under "per_update". All stay on device."""
     out = {k: (v.max() if k.endswith("_max") or k == "newest_token_version" else
-               v.sum() if k == "audit_checked_tokens" else v.mean())
+               v.sum() if k.startswith("audit_") else v.mean())
            for k, v in metrics.items()}
+    checked = jnp.maximum(out["audit_checked_tokens"], 1)
+    out.update(logprob_mismatch_max=out["audit_diff_max"],  # the sampler/trainer mismatch
+               logprob_mismatch_mean=out.pop("audit_diff_sum") / checked,
+               logprob_mismatch_kl=out.pop("audit_kl_sum") / checked)
     out.update(lr=metrics["lr"][-1], version=jnp.int32(version + updates), updates=updates,
                per_update=metrics)
     return out
@@ -670,7 +676,9 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     The audit for free: the first update scores every token of the state's version with
     the params that sampled it, so it checks invariant 2 on the tokens of the first
     mini-batch at `state.version` (sampled, not mixed): metrics audit_checked_tokens and
-    audit_diff_max (max |recomputed - recorded|). audit_tolerance (needs compute_dtype
+    audit_diff_max (max |recomputed - recorded|), and the sampler/trainer mismatch over
+    them: logprob_mismatch_max / _mean (|trainer - sampler| log-prob) and _kl (k3 estimate
+    of KL(sampler || trainer)), all exactly 0 under exact numerics. audit_tolerance (needs compute_dtype
     float32): if one of them differs by more, no update is applied and AttributionFailure
     (carrying the unchanged state) is raised.
 
