@@ -1,0 +1,99 @@
+"""Exact attribution: the sampler's recorded log-probs are the trainer's, bit for bit, so the
+audit compares bits and catches stale KV after one update at real learning rates.
+
+Detection power on the demo's built-in model (the real model: tests/test_real_model.py,
+slow): after ONE `train_step` at lr 1e-6 (TRL's default) or 1e-7 from version 0, an engine
+whose cache ignores versions serves version-0 prefix KV to the version-1 rollout; every
+sample that reused it is flagged, and an honest engine's samples (over a thousand) never
+are. With the old 2e-3 tolerance these updates were invisible.
+"""
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_cache.app.demo import builtin_model_config
+from jaxrl_cache.models import init_params
+from jaxrl_cache.rl.audit import AUDIT_TOLERANCE, audit_attribution
+from jaxrl_cache.rl.train import TrainState, make_batch, train_step
+from jaxrl_cache.rollout.engine import RolloutEngine
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import CacheConfig
+
+CONFIG = builtin_model_config(vocab_size=40)
+SYSTEM = [int(t) for t in np.random.default_rng(0).integers(3, 40, 40)]  # shared prefix
+PROMPTS = [SYSTEM + [5 + i, 9, 11 + i] for i in range(4)]
+SP = SamplingParams(n=4, max_new_tokens=16, temperature=1.0)
+
+
+class VersionBlindEngine(RolloutEngine):
+    """The bug the library exists to prevent: one cache namespace for every version."""
+
+    def _cache_key(self, version):
+        return 0
+
+
+def _engine(cls=RolloutEngine):
+    return cls(CONFIG, CacheConfig(num_pages=256, page_size=8))
+
+
+@pytest.fixture(scope="module")
+def params0():
+    return init_params(CONFIG, jax.random.key(0))
+
+
+def _one_update(params, batch, lr: float):
+    """Version 1: one real GRPO train_step (AdamW, non-constant rewards) from version 0."""
+    state = TrainState.create(params, optax.adamw(1.0, weight_decay=0.0), config=CONFIG,
+                              lr_schedule=lr)
+    rewards = [float(i % 3 == 0) for i in range(len(batch.samples))]
+    new, metrics = train_step(state, make_batch(batch, rewards), audit_tolerance=0.0)
+    assert float(metrics["ratio_max"]) == 1.0  # fresh samples: the first ratio is exactly 1
+    assert float(metrics["logprob_mismatch_max"]) == float(metrics["logprob_mismatch_kl"]) == 0
+    assert int(new.version) == 1
+    return new.params
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-7])
+def test_one_update_at_a_real_learning_rate_flags_every_stale_sample(params0, lr):
+    blind, honest = _engine(VersionBlindEngine), _engine()
+    first = blind.rollout(params0, 0, PROMPTS, SP, rng=jax.random.key(1))
+    assert audit_attribution(first, {0: params0}, CONFIG).ok
+    params1 = _one_update(params0, first, lr)
+    changed = sum(int(np.sum(np.asarray(a) != np.asarray(b)))
+                  for a, b in zip(jax.tree.leaves(params0), jax.tree.leaves(params1)))
+    assert changed > 0  # the update moved bits
+    for engine in (blind, honest):
+        engine.sync_weights(params1, 1)
+    stale = blind.rollout(params1, 1, PROMPTS, SP, rng=jax.random.key(2))
+    reused = [i for i, s in enumerate(stale.samples) if s.cached_tokens > 0]
+    assert len(reused) == len(stale.samples) == 16  # every sample reused version-0 KV
+    report = audit_attribution(stale, {1: params1}, CONFIG)
+    assert report.exact and report.tolerance == AUDIT_TOLERANCE == 0.0
+    assert report.flagged == tuple(reused), (lr, report.max_abs_diff)
+    fresh = honest.rollout(params1, 1, PROMPTS, SP, rng=jax.random.key(2))
+    assert audit_attribution(fresh, {1: params1}, CONFIG).ok
+
+
+def test_honest_engine_flags_none_of_a_thousand_samples(params0):
+    """1,024 samples over calls that mix prefix hits, group sizes, lengths and temperature,
+    top-k / top-p and greedy settings: every recorded bit reproduces."""
+    engine = _engine()
+    rng = np.random.default_rng(1)
+    settings = [SamplingParams(n=8, max_new_tokens=12, temperature=1.0),
+                SamplingParams(n=8, max_new_tokens=9, temperature=0.7, top_k=8, top_p=0.9),
+                SamplingParams(n=8, max_new_tokens=6, temperature=1.3, top_p=0.8),
+                SamplingParams(n=8, max_new_tokens=5, temperature=0.0)]
+    total = flagged = 0
+    call = 0
+    while total < 1024:
+        prompts = [SYSTEM[:int(rng.integers(0, 41))] + [int(t) for t in
+                                                        rng.integers(3, 40, rng.integers(1, 9))]
+                   for _ in range(4)]
+        batch = engine.rollout(params0, 0, prompts, settings[call % 4],
+                               rng=jax.random.key(call))
+        report = audit_attribution(batch, {0: params0}, CONFIG)
+        total += report.num_samples
+        flagged += len(report.flagged)
+        call += 1
+    assert total >= 1024 and flagged == 0
