@@ -89,6 +89,7 @@ def block_scores(q, k, scale: float):
     multiple of SCORE_KEYS. (Written the other way round, keys x queries, XLA picks other
     kernels again.)"""
     m, nb = q.shape[-2], k.shape[-3]
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)  # exact; bf16 dots vary more
     q = pad_rows(q, -2, MIN_QUERY_ROWS)
     per = SCORE_KEYS // KEY_BLOCK
     k = pad_rows(k, -3, -(-nb // per) * per)
@@ -99,10 +100,10 @@ def block_scores(q, k, scale: float):
 
 
 def block_values(p, v):
-    """p f32 [..., NB, M, KEY_BLOCK] (cast to v's dtype), v [..., NB, KEY_BLOCK, D] ->
-    f32 [..., NB, M, D]."""
+    """p f32 [..., NB, M, KEY_BLOCK], v [..., NB, KEY_BLOCK, D] (any float dtype, computed
+    in f32) -> f32 [..., NB, M, D]."""
     m = p.shape[-2]
-    p = pad_rows(p.astype(v.dtype), -2, MIN_QUERY_ROWS)
+    p, v = pad_rows(p, -2, MIN_QUERY_ROWS), v.astype(jnp.float32)
     o = jnp.einsum("...nmk,...nkd->...nmd", p, v, preferred_element_type=jnp.float32)
     return o[..., :m, :]
 

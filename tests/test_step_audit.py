@@ -15,6 +15,9 @@ from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
 from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState, make_batch,
                                   train_step)
+from jaxrl_cache.rollout.engine import RolloutEngine
+from jaxrl_cache.rollout.sampling import SamplingParams
+from jaxrl_cache.rollout.types import CacheConfig
 from tests.helpers import CONFIG
 from tests.test_episode_training import (PARAMS, SHAPES, FixedRollouts, _state, episode,
                                          episode_batch, tasks)
@@ -101,11 +104,26 @@ def test_an_off_token_stops_the_update():
     assert int(state.version) == 2 and float(metrics["audit_diff_max"]) == TOL == 0.0
 
 
-def test_bf16_compute_cannot_audit():
-    batch = tasks(seed=6)
-    with pytest.raises(ValueError, match="audit_tolerance needs compute_dtype='float32'"):
-        train_step(_state(), make_batch(batch, [0.0] * 8), compute_dtype="bfloat16",
-                   audit_tolerance=TOL)
+def test_bf16_compute_reproduces_a_bf16_sampler_exactly():
+    """compute_dtype="bfloat16": the step's log-probs are the bits of an engine that sampled
+    with the bf16 cast of the params (ModelConfig.dtype "bfloat16"), so the gate holds at
+    tolerance 0; the same batch sampled in fp32 is off by bf16 rounding and is refused."""
+    bf16 = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), PARAMS[0])
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 23)]
+    sp = SamplingParams(n=3, max_new_tokens=10, temperature=0.9, top_k=12)
+    for dtype, params in (("bfloat16", bf16), ("float32", PARAMS[0])):
+        engine = RolloutEngine(dataclasses.replace(CONFIG, dtype=dtype),
+                               CacheConfig(num_pages=64, page_size=8))
+        batch = engine.rollout(params, 0, prompts, sp, rng=jax.random.key(0))
+        train = make_batch(batch, [float(i % 2) for i in range(len(batch.samples))])
+        if dtype == "float32":
+            with pytest.raises(AttributionFailure, match="no update applied"):
+                train_step(_state(), train, compute_dtype="bfloat16", audit_tolerance=TOL)
+            continue
+        state, metrics = train_step(_state(), train, compute_dtype="bfloat16",
+                                    audit_tolerance=TOL)
+        assert int(state.version) == 1 and float(metrics["logprob_mismatch_max"]) == 0.0
+        assert float(metrics["ratio_max"]) == 1.0
 
 
 def _history(*versions):

@@ -91,17 +91,21 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
 MIN_MATMUL_ROWS = 64  # fewer token rows are zero-padded up to this (see `dense`)
 
 
-def dense(x, w, out_dtype=None):
-    """x [..., K] @ w [K, N] -> [..., N] (out_dtype: the accumulation/result dtype, default
-    x's), batch-invariant: a token row's result does not depend on how many rows share the
+def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
+    """x [..., K] @ w [K, N] -> [..., N] (w [N, K] when w_rows_out: a tied LM head contracts
+    the embedding's last axis in the dot itself; a transposed copy would be laid out one way
+    in one program and another way in the next, and give other bits); out_dtype: the result
+    dtype, default x's (accumulation is fp32), batch-invariant: a token row's result does not depend on how many rows share the
     call. XLA:CPU picks another dot kernel (another reduction order) for small row counts
     (rows < 48 at K = 576 give other bits than the same row among 256), so the rows are
     zero-padded to MIN_MATMUL_ROWS; from there every row count gives the same bits
     (tests/test_numerics.py). Training batches and prefills are past it already."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    out = jnp.matmul(pad_rows(rows, 0, MIN_MATMUL_ROWS), w, preferred_element_type=out_dtype)
-    return out[:rows.shape[0]].reshape(*lead, w.shape[-1])
+    out = jax.lax.dot_general(pad_rows(rows, 0, MIN_MATMUL_ROWS), w,
+                              (((1,), (1 if w_rows_out else 0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+    return out[:rows.shape[0]].reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -147,8 +151,9 @@ def _mlp(layer, h):
 def lm_logits(params, config, x):
     """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
-    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return dense(x, head, jnp.float32)
+    if config.tie_embeddings:
+        return dense(x, params["embed"], jnp.float32, w_rows_out=True)
+    return dense(x, params["lm_head"], jnp.float32)
 
 
 REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is recomputed)

@@ -678,9 +678,11 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     mini-batch at `state.version` (sampled, not mixed): metrics audit_checked_tokens and
     audit_diff_max (max |recomputed - recorded|), and the sampler/trainer mismatch over
     them: logprob_mismatch_max / _mean (|trainer - sampler| log-prob) and _kl (k3 estimate
-    of KL(sampler || trainer)), all exactly 0 under exact numerics. audit_tolerance (needs compute_dtype
-    float32): if one of them differs by more, no update is applied and AttributionFailure
-    (carrying the unchanged state) is raised.
+    of KL(sampler || trainer)), all exactly 0 under exact numerics. audit_tolerance: if one of
+    them differs by more, no update is applied and AttributionFailure (carrying the unchanged
+    state) is raised. Under compute_dtype="bfloat16" the recorded log-probs are reproduced
+    exactly when the sampler ran the bf16 cast of the params (an engine whose
+    ModelConfig.dtype is "bfloat16"); from fp32 sampling they differ by bf16 rounding.
 
     Metrics (device arrays, read by the caller when it wants them): loss, grad_norm,
     ratio/clip/importance-weight statistics, staleness (trainer version - token version)
@@ -707,9 +709,6 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     cfg = dataclasses.replace(config or TrainConfig(), **options)
-    if audit_tolerance is not None and cfg.compute_dtype != "float32":
-        raise ValueError(f"audit_tolerance needs compute_dtype='float32' ({cfg.compute_dtype} "
-                         f"log-probs are not the sampler's to within a useful tolerance)")
     if cfg.kl_beta > 0 and ref_params is None:
         raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
     version = as_version(state.version, "state.version")
