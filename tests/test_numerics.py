@@ -1,0 +1,88 @@
+"""The batch-invariant building blocks of exact numerics (kernels_pallas/blocked.py,
+models.llama.dense): right against numpy, and bit-identical however a row is batched.
+
+These pin the XLA:CPU facts the design rests on (a dot's row bits depend on the row count
+below 48 rows, and on a score dot's column count unless it is a multiple of 64): if a jax
+upgrade changes them, these fail before the end-to-end exactness tests do.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_cache.models.llama import MIN_MATMUL_ROWS, dense
+from kernels_pallas.blocked import (KEY_BLOCK, block_scores, blocked_attention, chain_sum,
+                                    key_blocks, tree_sum)
+
+RNG = np.random.default_rng(0)
+
+
+def test_tree_sum_is_a_sum_and_ignores_zero_padding():
+    x = RNG.standard_normal((5, 37)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(tree_sum(jnp.asarray(x))), x.sum(-1), rtol=1e-5)
+    for extra in (1, 27, 91):  # any zero tail: the same bits
+        padded = np.pad(x, ((0, 0), (0, extra)))
+        np.testing.assert_array_equal(np.asarray(tree_sum(jnp.asarray(padded))),
+                                      np.asarray(tree_sum(jnp.asarray(x))))
+
+
+def test_chain_sum_ignores_leading_and_trailing_zeros():
+    x = RNG.standard_normal((6, 3)).astype(np.float32)
+    padded = np.concatenate([np.zeros((4, 3), np.float32), x, np.zeros((5, 3), np.float32)])
+    np.testing.assert_array_equal(np.asarray(chain_sum(jnp.asarray(padded), 0)),
+                                  np.asarray(chain_sum(jnp.asarray(x), 0)))
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 128)])
+def test_dense_rows_do_not_depend_on_the_batch(k, n):
+    """A row's bits are the same alone, among a few rows, or among thousands (SmolLM2's
+    projection shapes and the tiny model's)."""
+    x = RNG.standard_normal((1100, k)).astype(np.float32)
+    w = jnp.asarray(RNG.standard_normal((k, n)).astype(np.float32) * 0.05)
+    f = jax.jit(dense)
+    ref = np.asarray(f(jnp.asarray(x[:256]), w))
+    for rows in (1, 3, 16, 47, MIN_MATMUL_ROWS, 100, 1100):
+        got = np.asarray(f(jnp.asarray(x[:rows]), w))
+        np.testing.assert_array_equal(got[:min(rows, 256)], ref[:min(rows, 256)])
+    np.testing.assert_allclose(ref, x[:256] @ np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+def test_block_scores_do_not_depend_on_query_or_key_counts():
+    q = RNG.standard_normal((2, 300, 64)).astype(np.float32)
+    k = RNG.standard_normal((2, 400, 64)).astype(np.float32)
+    f = jax.jit(lambda q, k: block_scores(q, key_blocks(k, -2), 0.125))
+    ref = np.asarray(f(q[:, :64], k[:, :64]))  # [2, 4, 64, 16]
+    for m in (1, 2, 5, 64, 300):
+        for keys in (16, 32, 48, 96, 400):
+            got = np.asarray(f(q[:, :m], k[:, :keys]))
+            blocks = min(keys, 64) // KEY_BLOCK
+            np.testing.assert_array_equal(got[:, :blocks, :min(m, 64)],
+                                          ref[:, :blocks, :min(m, 64)])
+
+
+def _numpy_attention(q, k, v, visible, scale):
+    s = np.einsum("md,ld->ml", q.astype(np.float64), k) * scale
+    s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def test_blocked_attention_is_attention_and_position_aligned():
+    """Against numpy; and a sequence placed after another one's keys (a packed row, keys
+    on block edges) or followed by free slots gives the same bits as alone."""
+    length, d = 37, 16
+    q = RNG.standard_normal((length, d)).astype(np.float32)
+    k = RNG.standard_normal((length, d)).astype(np.float32)
+    v = RNG.standard_normal((length, d)).astype(np.float32)
+    causal = np.tril(np.ones((length, length), bool))
+    alone = np.asarray(jax.jit(blocked_attention, static_argnums=4)(q, k, v, causal, 0.25))
+    np.testing.assert_allclose(alone, _numpy_attention(q, k, v, causal, 0.25), atol=1e-5)
+    before = 2 * KEY_BLOCK  # another segment's keys first, then padding after
+    total = before + length + 23
+    kk = RNG.standard_normal((total, d)).astype(np.float32)
+    vv = RNG.standard_normal((total, d)).astype(np.float32)
+    kk[before:before + length], vv[before:before + length] = k, v
+    vis = np.zeros((length, total), bool)
+    vis[:, before:before + length] = causal
+    shifted = np.asarray(jax.jit(blocked_attention, static_argnums=4)(q, kk, vv, vis, 0.25))
+    np.testing.assert_array_equal(shifted, alone)
