@@ -100,6 +100,8 @@ def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
     (rows < 48 at K = 576 give other bits than the same row among 256), so the rows are
     zero-padded to MIN_MATMUL_ROWS; from there every row count gives the same bits
     (tests/test_numerics.py). Training batches and prefills are past it already."""
+    if hasattr(w, "reduce"):  # a row-parallel shard (parallel.tensor_parallel.RowParallel)
+        return w.reduce(dense(x, w.w, out_dtype, w_rows_out=w_rows_out))
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     out = jax.lax.dot_general(pad_rows(rows, 0, MIN_MATMUL_ROWS), w,

@@ -4,8 +4,9 @@ Each shard holds its query heads, their kv heads (its slice of the KV pool), and
 of the FFN (see mesh.rollout_rules). It runs the model's own `prefill_forward` /
 `decode_forward` with a per-shard config (n_heads / tensor heads), so the attention kernels
 (Pallas or xla) see only local heads and pages. The two row-parallel matmuls (wo, w_down)
-end in a psum over the tensor axis: the weight shard is wrapped in `RowParallel`, whose
-`x @ w` is Megatron's row-parallel linear, so the model code runs unchanged per shard.
+end in a psum over the tensor axis: the weight shard is wrapped in `RowParallel`, which
+`models.llama.dense` turns into Megatron's row-parallel linear, so the model code runs
+unchanged per shard.
 Tokens, positions, page tables and logits are replicated; so is everything the engine does
 around the forward (sampling, the decode loop's bookkeeping).
 """
@@ -29,14 +30,15 @@ _KV_COLUMNS = ("wk", "wv", "bk", "bv")
 
 @jax.tree_util.register_pytree_node_class
 class RowParallel:
-    """A row-parallel weight shard w [..., in / tensor, out]: `x @ w` = psum over the tensor
-    axis of the local partial product (x holds the matching input slice)."""
+    """A row-parallel weight shard w [..., in / tensor, out]: models.llama.dense(x, shard)
+    = reduce(the local partial product) = its psum over the tensor axis (x holds the
+    matching input slice)."""
 
     def __init__(self, w):
         self.w = w
 
-    def __rmatmul__(self, x):
-        return jax.lax.psum(x @ self.w, TENSOR)
+    def reduce(self, partial):
+        return jax.lax.psum(partial, TENSOR)
 
     def tree_flatten(self):
         return (self.w,), None

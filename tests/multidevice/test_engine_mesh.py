@@ -7,6 +7,7 @@ import pytest
 
 from jaxrl_cache.errors import VersionError
 from jaxrl_cache.parallel import make_mesh
+from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, audit_attribution, tolerance_for
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from tests.multidevice import common
 
@@ -34,6 +35,15 @@ def test_mesh_engine_equals_single_device(tensor):
             assert [s.output_ids for s in got.samples] == [s.output_ids for s in want.samples]
             for a, b in zip(got.samples, want.samples):
                 np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+            # the shards add partial sums in another order: not the trainer's bits, so the
+            # audit takes the calibrated tolerance (the single-device engine's are exact)
+            assert tolerance_for(single) == 0.0
+            assert tolerance_for(sharded) == CALIBRATED_TOLERANCE
+            report = audit_attribution(got, {version: params}, CONFIG,
+                                       tolerance=tolerance_for(sharded))
+            assert report.ok and not report.exact
+            assert report.max_abs_diff < CALIBRATED_TOLERANCE / 10, report.max_abs_diff
+            assert audit_attribution(want, {version: params}, CONFIG).ok
             assert got.cached_tokens == want.cached_tokens
         single.sync_weights(p0, 3 * i + 2)
         ack = sharded.sync_weights(p0, 3 * i + 2)

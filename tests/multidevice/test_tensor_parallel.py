@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_cache.models import decode_forward, init_kv_cache, prefill_forward
 from jaxrl_cache.parallel import (engine_kv_cache, kv_layout, make_mesh, rollout_shardings,
                                   shard_forward)
+from jaxrl_cache.models.llama import dense
 from jaxrl_cache.parallel.tensor_parallel import RowParallel
 from tests.multidevice import common
 
@@ -51,14 +52,14 @@ def test_sharded_greedy_matches_single_device(tensor, backend):
 
 def test_row_parallel_through_scan_over_stacked_layers():
     """Stacked layers ([L, ...] leaves, lax.scan over them) keep the wrapper: each layer's
-    x @ w is the full product, as with per-layer dicts."""
+    dense(x, w) is the full product, as with per-layer dicts."""
     mesh = make_mesh({"tensor": 4}, jax.devices()[:4])
     w = jax.random.normal(jax.random.key(0), (3, 16, 16))  # [L, in, out]
     x = jax.random.normal(jax.random.key(1), (2, 16))
 
     def body(w, x):  # w [L, in/4, out], x [2, in/4]: this shard's input slice
         def layer(h, w_l):
-            return h, x @ w_l
+            return h, dense(x, w_l)
         return jax.lax.scan(layer, 0.0, RowParallel(w))[1]
 
     got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tensor", None),
