@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.models.dense import dense
 from jaxrl_cache.spmd import split_batch
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
-from kernels_pallas.blocked import blocked_attention, pad_rows, tree_sum
+from kernels_pallas.blocked import blocked_attention, tree_sum
 
 
 class DecoderLayers(nnx.Module):
@@ -86,28 +87,6 @@ class DecoderLM(nnx.Module):
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
     """Random params (normal(0.02) matrices, unit norms, zero biases) as a plain pytree."""
     return DecoderLM(config, rngs=nnx.Rngs(params=key)).params()
-
-
-MIN_MATMUL_ROWS = 64  # fewer token rows are zero-padded up to this (see `dense`)
-
-
-def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
-    """x [..., K] @ w [K, N] -> [..., N] (w [N, K] when w_rows_out: a tied LM head contracts
-    the embedding's last axis in the dot itself; a transposed copy would be laid out one way
-    in one program and another way in the next, and give other bits); out_dtype: the result
-    dtype, default x's (accumulation is fp32), batch-invariant: a token row's result does not depend on how many rows share the
-    call. XLA:CPU picks another dot kernel (another reduction order) for small row counts
-    (rows < 48 at K = 576 give other bits than the same row among 256), so the rows are
-    zero-padded to MIN_MATMUL_ROWS; from there every row count gives the same bits
-    (tests/test_numerics.py). Training batches and prefills are past it already."""
-    if hasattr(w, "reduce"):  # a row-parallel shard (parallel.tensor_parallel.RowParallel)
-        return w.reduce(dense(x, w.w, out_dtype, w_rows_out=w_rows_out))
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    out = jax.lax.dot_general(pad_rows(rows, 0, MIN_MATMUL_ROWS), w,
-                              (((1,), (1 if w_rows_out else 0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return out[:rows.shape[0]].reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
 
 
 def rms_norm(x, weight, eps):

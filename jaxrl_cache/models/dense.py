@@ -1,0 +1,73 @@
+"""Batch-invariant projections: a token row's x @ w gives the same bits however many rows
+share the call, so the sampler (a few decode rows) and the trainer (thousands of packed
+rows) agree bit for bit.
+
+XLA:CPU picks its dot kernel by shape, and for few rows it picks one that reduces in another
+order: at [rows, 576] x [576, 1536] every row count up to 32 gives a row other bits than
+the same row among 256, from 33 on they agree; at [rows, 64] x [64, 32] the bound is 50.
+So the bound is measured, once per (K, N, dtype, layout) on the backend in use
+(`invariant_rows`), and smaller calls are zero-padded up to it. tests/test_numerics.py pins
+the measured facts.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.blocked import pad_rows
+
+PROBE_ROWS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)  # row counts tried
+REFERENCE_ROWS = 256
+FALLBACK_ROWS = 128  # when no probed count agrees (a backend without the property)
+
+
+def _dot(x, w, w_rows_out: bool):
+    return jax.lax.dot_general(x, w, (((1,), (1 if w_rows_out else 0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
+    """Smallest probed row count r such that every probed count >= r gives each row the
+    bits it gets among REFERENCE_ROWS rows, for a [rows, k] x [k, n] dot (w [n, k] when
+    w_rows_out) in `dtype` on the default backend. Measured eagerly, once per process."""
+    rng = np.random.default_rng(0)
+    with jax.ensure_compile_time_eval():
+        x = jnp.asarray(rng.standard_normal((REFERENCE_ROWS, k)), dtype)
+        w = jnp.asarray(rng.standard_normal((n, k) if w_rows_out else (k, n)), dtype)
+        dot = jax.jit(_dot, static_argnums=2)
+        ref = np.asarray(dot(x, w, w_rows_out))
+        agrees = [np.array_equal(np.asarray(dot(x[:r], w, w_rows_out)), ref[:r])
+                  for r in PROBE_ROWS]
+    bound = FALLBACK_ROWS
+    for r, ok in zip(reversed(PROBE_ROWS), reversed(agrees)):
+        if not ok:
+            break
+        bound = r
+    return bound
+
+
+def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
+    """x [..., K] @ w [K, N] -> [..., N], batch-invariant (see the module doc).
+
+    w [N, K] when w_rows_out: a tied LM head contracts the embedding's last axis in the dot
+    itself (a transposed copy was laid out one way in one program and another way in the
+    next, and gave other bits). Accumulates in fp32; out_dtype: the result's dtype
+    (default x's). w may be a row-parallel shard (`parallel.tensor_parallel.RowParallel`:
+    its partial product is reduced over the tensor axis).
+    """
+    if hasattr(w, "reduce"):
+        return w.reduce(dense(x, w.w, out_dtype, w_rows_out=w_rows_out))
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] < FALLBACK_ROWS:
+        n = w.shape[0] if w_rows_out else w.shape[1]
+        minimum = invariant_rows(rows.shape[1], n, jnp.dtype(x.dtype).name, w_rows_out)
+        rows_in = pad_rows(rows, 0, minimum)
+    else:
+        rows_in = rows
+    out = _dot(rows_in, w, w_rows_out)
+    return out[:rows.shape[0]].reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
