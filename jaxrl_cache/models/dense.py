@@ -19,7 +19,7 @@ import numpy as np
 
 from kernels_pallas.blocked import pad_rows
 
-PROBE_ROWS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)  # row counts tried
+PROBE_ROWS = (1, 2, 4, 8, 16, 24, 32, 33, 36, 40, 48, 56, 64, 80, 96, 128)  # counts tried
 REFERENCE_ROWS = 256
 FALLBACK_ROWS = 128  # when no probed count agrees (a backend without the property)
 
