@@ -37,12 +37,17 @@ def as_real(value, name: str, *, minimum: float | None = None, maximum: float | 
             value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} "
                         f"{value!r:.80}")
-    value = float(value)
+    given = value
+    try:
+        value = float(value)
+    except OverflowError:  # an int past the float range (10**400): not finite either
+        value = math.inf if value > 0 else -math.inf
+        given = f"an integer of {len(str(abs(given)))} digits"
     low_bad = minimum is not None and (value <= minimum if open_min else value < minimum)
     if not math.isfinite(value) or low_bad or (maximum is not None and value > maximum):
         low = "" if minimum is None else f"{'>' if open_min else '>='} {minimum}"
         high = "" if maximum is None else f"<= {maximum}"
         bounds = " and ".join(b for b in (low, high) if b)
         raise ValueError(f"{name} must be finite{' and ' + bounds if bounds else ''}, "
-                         f"got {value}")
+                         f"got {given if isinstance(given, str) else value}")
     return value

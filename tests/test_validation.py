@@ -360,3 +360,18 @@ def test_junk_cache_calls(which, value):
     if not ok:
         assert cache_state(cache) == before
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("huge", [10**400, -10**400], ids=["plus", "minus"])
+def test_a_huge_integer_for_a_real_is_a_value_error(huge):
+    """float(10**400) raises OverflowError: every real argument turns it into the library's
+    one-line ValueError (issue 32, defect 7)."""
+    from jaxrl_cache.checks import as_real
+    from jaxrl_cache.rl.audit import audit_attribution
+    with pytest.raises(ValueError, match="must be finite.*integer of 401 digits"):
+        as_real(huge, "audit_tolerance", minimum=0.0)
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        SamplingParams(temperature=huge)
+    with pytest.raises(ValueError, match="tolerance must be finite"):
+        audit_attribution(RolloutBatch([], 0, SamplingParams(), 0, 0, 0, 0, 0, 0, 0.0), {},
+                          CONFIG, tolerance=huge)
