@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SchedulerConfig
 from jaxrl_cache.errors import CacheFullError, VersionError
+from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
 from tests.helpers import CONFIG, dense_greedy, dense_logits, varied_params
 
@@ -504,3 +505,52 @@ def test_junk_at_rollout_and_sync_is_a_typed_error_and_changes_nothing(which, va
 _JUNK_PARAMS = varied_params(0)
 _JUNK_ENGINE = make_engine()
 _JUNK_ENGINE.sync_weights(_JUNK_PARAMS, 0)
+
+
+def test_borrowing_host_arrays_copies_them_and_says_so():
+    """sync_weights(numpy params, borrow=True): device_put may alias a numpy array on CPU,
+    so host leaves are copied, never lent; editing the caller's arrays afterwards changes
+    nothing the engine computes; the ack names the copied leaves and splits the bytes."""
+    engine = make_engine()
+    host = jax.tree.map(np.array, varied_params(1))  # writable numpy leaves
+    mixed = {**host, "embed": jnp.array(host["embed"])}  # one device leaf, lendable
+    ack = engine.sync_weights(mixed, 1, borrow=True)
+    total = sum(x.nbytes for x in jax.tree.leaves(host))
+    assert ack.lent_bytes == host["embed"].nbytes and ack.copied_bytes == total - ack.lent_bytes
+    assert "['embed']" not in ack.copied_leaves
+    assert len(ack.copied_leaves) == len(jax.tree.leaves(host)) - 1
+    before = engine.rollout(mixed, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    for x in jax.tree.leaves(host):
+        x *= 3.0  # the caller edits its arrays in place (mixed holds the same objects)
+    after = engine.rollout(mixed, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [s.output_ids for s in after.samples] == [s.output_ids for s in before.samples]
+    for a, b in zip(jax.tree.leaves(after.samples[0].output_logprobs),
+                    jax.tree.leaves(before.samples[0].output_logprobs)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_version_keeps_its_params_after_release():
+    """A version's weights are fixed once synced, lent or copied: after release_weights()
+    (KV kept), other params at that version are refused by the next rollout or sync, so the
+    old params' prefix KV can never serve them; the same weights (equal arrays) are
+    accepted. replace=True allows other params only with nothing of the version cached."""
+    engine = make_engine()
+    engine.sync_weights(varied_params(0), 1, borrow=True)
+    engine.rollout(varied_params(0), 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    engine.release_weights()  # drop_kv=False: version-1 KV stays cached
+    other = varied_params(5)
+    with pytest.raises(VersionError, match="already synced with different params"):
+        engine.rollout(other, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    with pytest.raises(VersionError, match="already synced with different params"):
+        engine.sync_weights(other, 1)
+    with pytest.raises(VersionError, match="holds KV of version 1"):
+        engine.sync_weights(other, 1, replace=True)
+    again = engine.rollout(varied_params(0), 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert again.cached_tokens > 0 and audit_attribution(again, {1: varied_params(0)}, CONFIG).ok
+    engine.release_weights(drop_kv=True)
+    ack = engine.sync_weights(other, 1, replace=True)  # nothing of version 1 cached: allowed
+    assert ack.version == 1
+    fresh = engine.rollout(other, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert fresh.cached_tokens == 0 and audit_attribution(fresh, {1: other}, CONFIG).ok
+    with pytest.raises(TypeError, match="replace must be a bool"):
+        engine.sync_weights(other, 1, replace="yes")

@@ -59,6 +59,11 @@ class _Weights(NamedTuple):
     staged_seconds: float = 0.0  # time spent validating and copying them (sync_ack.seconds)
     copied_bytes: int = 0  # bytes the staging copied (0: borrowed where they already were)
     borrowed: bool = False  # params are (partly) the caller's arrays: they must stay alive
+    lent_bytes: int = 0  # bytes held as the caller's own arrays (borrow)
+    copied_leaves: tuple = ()  # borrow: the leaves that could not be lent (host arrays,
+    #                            another placement), by path
+    fingerprint: np.ndarray | None = None  # of the params synced under `version`: kept when
+    #   they are released, so other params are never accepted under it (`_same_version`)
 
 
 class _Call(NamedTuple):
@@ -83,14 +88,31 @@ def _finite(params):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
-_all_finite = jax.jit(_finite)
+def _fingerprint(params):
+    """uint32 [2 * leaves]: two position-weighted sums (mod 2**32) of each leaf's bits. Equal
+    weights give equal fingerprints; an edited weight changes them (not a defence against an
+    adversary: a guard against another param tree under a synced version)."""
+    sums = []
+    for x in jax.tree.leaves(params):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+        bits = bits.reshape(-1).astype(jnp.uint32)
+        index = jnp.arange(bits.shape[0], dtype=jnp.uint32)
+        sums += [jnp.sum(bits), jnp.sum(bits * (index * jnp.uint32(2654435761) + 1))]
+    return jnp.stack(sums)
+
+
+@jax.jit
+def _checked(params):
+    """(every value finite, fingerprint): one pass over the weights."""
+    return _finite(params), _fingerprint(params)
 
 
 @jax.jit
 def _resident_copy(params):
-    """(fresh copies of params, whether every value is finite): one program, one pass over
-    the weights. Fresh buffers: the caller may donate or mutate its own arrays afterwards."""
-    return jax.tree.map(jnp.copy, params), _finite(params)
+    """(fresh copies of params, whether every value is finite, fingerprint): one program,
+    one pass over the weights. Fresh buffers: the caller may donate or mutate its own arrays
+    afterwards."""
+    return jax.tree.map(jnp.copy, params), _finite(params), _fingerprint(params)
 
 
 def _buffers(x) -> set:
@@ -184,23 +206,31 @@ class RolloutEngine:
         return self._weights.version
 
     # ------------------------------------------------------------------ weight sync
-    def sync_weights(self, params, version, *, borrow: bool = False) -> WeightAck:
+    def sync_weights(self, params, version, *, borrow: bool = False,
+                     replace: bool = False) -> WeightAck:
         """Makes `params` the engine's weights for `version` and acknowledges.
 
         Waits for any in-flight rollout (same lock). Newer version: params copied onto the
         engine's device (never aliasing the caller's buffers unless borrowed, below), checked
         finite, resident; every
         older prefix entry dropped; then the version is committed. Same version: idempotent
-        (nothing invalidated). Older: VersionError. If anything fails, the previous version,
+        (nothing invalidated) for the same weights (the very arrays, or equal ones: a
+        fingerprint of the synced weights outlives `release_weights`); other weights are a
+        VersionError, unless replace=True and the cache holds nothing of that version.
+        Older: VersionError. If anything fails, the previous version,
         weights and cache stay as they were. The ack reports the bytes copied and the sync's
         own seconds.
 
-        borrow=True (a synchronous loop): arrays already where the engine runs are held as
-        they are, not copied, until `release_weights()` or the next sync; the caller must not
-        donate or delete them before that (a rollout on deleted weights raises).
+        borrow=True (a synchronous loop): jax arrays already where the engine runs are held
+        as they are, not copied, until `release_weights()` or the next sync; the caller must
+        not donate or delete them before that (a rollout on deleted weights raises). Leaves
+        it cannot alias safely are copied: host (numpy) arrays, which device_put could alias
+        on CPU, and arrays on another placement; the ack names them (`copied_leaves`) and
+        splits the bytes (`copied_bytes`, `lent_bytes`).
         """
         version = as_version(version)
-        return self._serialized(self._sync, params, version, as_bool(borrow, "borrow"))
+        return self._serialized(self._sync, params, version, as_bool(borrow, "borrow"),
+                                as_bool(replace, "replace"))
 
     def release_weights(self, *, drop_kv: bool = False) -> None:
         """Frees the resident params until the next sync or rollout; the version stays. For
@@ -223,9 +253,10 @@ class RolloutEngine:
             self._weights = self._weights._replace(params=None, source=())
         self._serialized(release)
 
-    def _sync(self, params, version: int, borrow: bool = False) -> WeightAck:
+    def _sync(self, params, version: int, borrow: bool = False,
+              replace: bool = False) -> WeightAck:
         start = time.perf_counter()
-        staged = self._stage(params, version, borrow)
+        staged = self._stage(params, version, borrow, replace)
         if staged is None:  # same version, same params
             return WeightAck(version, version, 0, time.perf_counter() - start,
                              tuple(self.cache.versions()))
@@ -242,35 +273,65 @@ class RolloutEngine:
                 finally:
                     self._reconcile()
 
-    def _stage(self, params, version: int, borrow: bool = False) -> _Weights | None:
+    def _same_version(self, params, version: int, replace: bool) -> bool:
+        """Params offered again at the synced `version`: True when they are the weights
+        synced under it (fingerprint), False when they differ and `replace` allows them
+        (the cache holds nothing of that version); otherwise VersionError. A version's
+        weights are fixed once synced, lent or copied, released or not: KV cached under it
+        was computed by them."""
+        if np.array_equal(np.asarray(_checked(params)[1]), self._weights.fingerprint):
+            return True
+        if not replace:
+            raise VersionError(
+                f"version {version} is already synced with different params; a weight "
+                f"change must come with a new version (or, with nothing of version {version} "
+                f"cached, sync_weights(..., replace=True))")
+        key = self._cache_key(version)
+        if key in self.cache.versions():
+            raise VersionError(f"sync_weights(replace=True) at version {version}: the prefix "
+                               f"cache holds KV of version {version}, computed by the params "
+                               f"synced before; release_weights(drop_kv=True) first")
+        return False
+
+    def _stage(self, params, version: int, borrow: bool = False,
+               replace: bool = False) -> _Weights | None:
         """Validated resident copy (borrow: the arrays themselves where they already are on
         the engine's placement) of `params` for a newer `version` (nothing committed)."""
         current = self._weights
         if version < current.version:
             raise VersionError(f"version {version} is older than the engine's version "
                                f"{current.version}; versions only move forward")
-        if version == current.version and current.params is not None:
-            if not _same_leaves(params, current.source):
-                raise VersionError(
-                    f"version {version} is already synced with different params; a weight "
-                    f"change must come with a new version (got {version} again)")
-            return None
+        if version == current.version and current.fingerprint is not None:
+            if current.params is not None and _same_leaves(params, current.source):
+                return None
+            self._check_params(params)
+            if self._same_version(params, version, replace) and current.params is not None:
+                return None  # equal weights, still resident
         begun = time.perf_counter()
         self._check_params(params)
         # fresh copies where the caller's arrays live (numpy: the default device), then
         # moved to the engine's placement if that is elsewhere (a no-op when it is not)
-        if borrow:
-            owned, finite = params, _all_finite(params)
+        if borrow:  # only jax arrays can be lent: a host (numpy) array is copied, since
+            # device_put may alias it on CPU and the caller could then edit "resident" weights
+            owned = jax.tree.map(lambda x: x if isinstance(x, jax.Array)
+                                 else jnp.asarray(np.array(x, copy=True)), params)
+            finite, fingerprint = _checked(owned)
         else:
-            owned, finite = _resident_copy(params)
+            owned, finite, fingerprint = _resident_copy(params)
         resident = jax.block_until_ready(jax.device_put(owned, self._placement))
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
         source = tuple(jax.tree.leaves(params))
-        copied = sum(x.nbytes for x, y in zip(jax.tree.leaves(resident), source)
-                     if _buffers(x) != _buffers(y))
-        return _Weights(version, resident, source, time.perf_counter() - begun, copied, borrow)
+        lent = [isinstance(y, jax.Array) and _buffers(x) == _buffers(y)
+                for x, y in zip(jax.tree.leaves(resident), source)]
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        sizes = [x.nbytes for x in jax.tree.leaves(resident)]
+        copied = sum(n for n, l in zip(sizes, lent) if not l)
+        return _Weights(version, resident, source, time.perf_counter() - begun, copied,
+                        any(lent), sum(n for n, l in zip(sizes, lent) if l),
+                        tuple(p for p, l in zip(paths, lent) if not l) if borrow else (),
+                        np.asarray(fingerprint))
 
     def _commit(self, staged: _Weights, start: float | None = None) -> WeightAck:
         """Commits staged weights; the ack's seconds are the sync's own time (staging from
@@ -290,7 +351,7 @@ class RolloutEngine:
         return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()),
                          tuple(sorted(before - set(self.cache.versions()))), recomputed,
-                         staged.copied_bytes)
+                         staged.copied_bytes, staged.lent_bytes, staged.copied_leaves)
 
     def _window(self) -> tuple:
         """Cache namespaces that may hold entries: the versions inside the lag window."""

@@ -80,6 +80,9 @@ class WeightAck:
     dropped_versions: tuple = ()  # versions whose entries this sync dropped
     recomputed_tokens: int = 0  # context tokens the rollout in flight will re-prefill
     copied_bytes: int = 0  # bytes of weights this sync copied (0: none, or borrowed in place)
+    lent_bytes: int = 0  # bytes held as the caller's own arrays (sync_weights(borrow=True))
+    copied_leaves: tuple = ()  # borrow: leaves copied because they could not be lent (host
+    #                            arrays, another placement), by path; () otherwise
 
 
 @dataclasses.dataclass(frozen=True)
