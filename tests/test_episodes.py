@@ -423,3 +423,78 @@ def test_keep_between_turns_continues_over_old_kv_inside_the_lag_window(lag):
             np.testing.assert_allclose(e.logprobs[e.loss_mask], want[e.loss_mask], atol=2e-3)
     assert (batch.recomputed_tokens > 0) == (lag == 0)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, GeneratorExit, "no step"])
+def test_a_base_exception_or_a_missing_method_ends_only_its_episode(raised):
+    """Environment code that raises SystemExit (a tool calling exit()), KeyboardInterrupt or
+    another BaseException, or an environment without step(): only its episode ends, with the
+    reason; the call returns and the other episodes finish (issue 32, defects 4-5)."""
+    class Faulty(TokenEnv):
+        def step(self, action):
+            if self.task == TASKS[1]:
+                raise raised("tool said goodbye")
+            return super().step(action)
+
+    class NoStep:
+        def __init__(self, task):
+            self.task = task
+
+        def reset(self):
+            return list(self.task)
+
+    def factory(task):
+        if raised == "no step":
+            return NoStep(task) if task == TASKS[1] else TokenEnv(task)
+        return Faulty(task)
+
+    engine = make_engine()
+    batch = engine.rollout_episodes(PARAMS[0], 0, TASKS, factory, GREEDY,
+                                    rng=jax.random.key(0))
+    ok, bad = batch.episodes[:2], batch.episodes[2:]
+    assert all(e.finish_reason == "done" and len(e.turns) == 3 for e in ok)
+    name = "AttributeError" if raised == "no step" else raised.__name__
+    for e in bad:
+        assert e.finish_reason == "error" and e.error.startswith(name), e.error
+        assert len(e.turns) == 1
+    assert_clean(engine)
+
+
+HUNG_SCRIPT = """
+import threading, time, jax
+from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams
+from jaxrl_cache.rollout.env import EnvStep
+from tests.helpers import CONFIG, varied_params
+
+class Hung:
+    def __init__(self, task):
+        self.task = task
+    def reset(self):
+        return list(self.task)
+    def step(self, action):
+        threading.Event().wait()  # never returns
+
+engine = RolloutEngine(CONFIG, CacheConfig(num_pages=64, page_size=4))
+batch = engine.rollout_episodes(varied_params(0), 0, [(1, 2, 3)], Hung,
+                                SamplingParams(n=2, max_new_tokens=3, temperature=0.0),
+                                rng=jax.random.key(0), env_timeout=0.3)
+print("returned", [e.finish_reason for e in batch.episodes], flush=True)
+"""
+
+
+def test_a_hung_environment_never_holds_the_process():
+    """env_timeout ends the episode and the call returns; the thread stuck in the
+    environment is a daemon, so the script then exits (it used to hang at interpreter exit
+    joining the environment pool: issue 32, defect 1)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")])))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", HUNG_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "returned ['error', 'error']" in done.stdout
+    assert time.perf_counter() - start < 200

@@ -20,15 +20,21 @@ runs with slow environments.
 `env_timeout` bounds each environment call (factory + reset, or one step): past it the
 episode ends with "error" (a TimeoutError message) and its late answer, if any, is
 dropped. Python cannot stop a thread, so the stuck call keeps its worker thread until it
-returns.
+returns; worker threads are daemons (`EnvThreads`), so a call that never returns never
+holds the process at exit: a hung environment costs one parked thread, nothing more.
+
+A fault in environment code ends only its episode ("error", with the exception's type and
+message): a missing method, any exception, and BaseExceptions raised by it (SystemExit from
+a tool, a KeyboardInterrupt raised by the code itself: worker threads never receive
+signals, so a real Ctrl-C reaches the engine's thread and stops the call).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 import numbers
 import queue
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -69,6 +75,53 @@ class _State:
     error: str | None = None
 
 
+class EnvThreads:
+    """A fixed number of daemon worker threads running environment calls.
+
+    Unlike concurrent.futures' pool, whose threads the interpreter joins at exit, a call
+    stuck forever here never keeps the process alive. `submit(fn, *args, done=cb)` runs
+    cb((value, seconds) or _Fault) on the worker when fn returns or raises (anything,
+    BaseException included); `close()` drops queued calls and lets idle threads end.
+    """
+
+    def __init__(self, workers: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"env-{i}", daemon=True).start()
+
+    def submit(self, fn, *args, done: Callable) -> None:
+        self._jobs.put((fn, args, done))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None or self._closed:
+                return
+            fn, args, done = job
+            done(_timed(fn, *args))
+
+    def close(self) -> None:
+        self._closed = True
+        while True:  # queued calls are dropped
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(64):
+            self._jobs.put(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fault:
+    """An environment call that raised: what ends its episode."""
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"[:500]
+
+
 class Driver:
     """The episodes of one rollout call (scheduler.Run.episodes). `pending` counts
     environment calls not yet collected by `ready`."""
@@ -91,7 +144,7 @@ class Driver:
         self.history_tokens = self.history_cached = self.recomputed = 0
         self.env_steps, self.env_seconds = 0, 0.0
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "env")
+        self._pool = EnvThreads(workers)
         self.pending = 0
         self._tickets = [0] * len(self.states)
         for e in range(len(self.states)):
@@ -104,8 +157,7 @@ class Driver:
         ticket = self._tickets[e]
         if self.timeout is not None:
             self._deadlines[e] = time.perf_counter() + self.timeout
-        future = self._pool.submit(_timed, fn, *args)
-        future.add_done_callback(lambda f: self._answers.put((e, ticket, f)))
+        self._pool.submit(fn, *args, done=lambda answer: self._answers.put((e, ticket, answer)))
 
     def _expire(self) -> None:
         """Ends the episodes whose environment call passed its deadline; their answers, if
@@ -147,7 +199,7 @@ class Driver:
         self._expire()
         while True:
             try:
-                e, ticket, future = self._answers.get_nowait()
+                e, ticket, answer = self._answers.get_nowait()
             except queue.Empty:
                 return out
             if ticket != self._tickets[e]:
@@ -155,13 +207,18 @@ class Driver:
             self.pending -= 1
             self._deadlines.pop(e, None)
             st = self.states[e]
+            if isinstance(answer, _Fault):
+                st.finish_reason, st.error = "error", str(answer)
+                continue
             try:
-                value, seconds = future.result()
+                value, seconds = answer
                 self.env_seconds += seconds
                 request = self._first(e, st, value) if st.env is None else \
                     self._next(e, st, value)
-            except Exception as exc:  # the environment's (or its observation's) fault
-                st.finish_reason, st.error = "error", f"{type(exc).__name__}: {exc}"[:500]
+            except KeyboardInterrupt:  # on this (the engine's) thread it may be a real Ctrl-C
+                raise
+            except BaseException as exc:  # the environment's (or its observation's) fault
+                st.finish_reason, st.error = "error", str(_Fault(type(exc).__name__, str(exc)))
                 continue
             if request is not None:
                 out.append(request)
@@ -253,11 +310,11 @@ class Driver:
         st.cached += row.cached_tokens
         st.seen = len(st.history)
         st.kv_version = next(iter(row.kv_now)) if len(row.kv_now) == 1 else None
-        self._submit(row.group, st.env.step, turn_text)
+        self._submit(row.group, _step, st.env, turn_text)  # env.step looked up there too
 
     def close(self) -> None:
         """Lets worker threads finish on their own; queued environment calls are dropped."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     def episodes(self) -> list[Episode]:
         out = []
@@ -308,9 +365,19 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
                                       timeout=env_timeout)
 
 
+def _step(env, turn_text):
+    return env.step(turn_text)
+
+
 def _timed(fn, *args):
+    """(fn(*args), seconds), or the _Fault of whatever it raised (BaseException included:
+    on a worker thread nothing is a real Ctrl-C, and a SystemExit must not end the
+    training script)."""
     start = time.perf_counter()
-    return fn(*args), time.perf_counter() - start
+    try:
+        return fn(*args), time.perf_counter() - start
+    except BaseException as exc:  # noqa: BLE001 - the environment's fault, recorded
+        return _Fault(type(exc).__name__, str(exc))
 
 
 def batch(run: scheduler.Run, start: float, ack: WeightAck | None) -> EpisodeBatch:
