@@ -2,21 +2,28 @@
 environments) with weight syncs landing between calls, between turns and inside turns
 (forced at drawn step boundaries), and calls that fail midway.
 
+Environments fail by raising, by SystemExit or KeyboardInterrupt from their own code, or by
+hanging past env_timeout; released weights are re-synced with other params (refused) or
+replaced when nothing of their version is cached.
+
 After every call: no page leak, no entry outside the lag window, versions never go
 backwards (engine, and each episode's sampled tokens), an environment fault ends only its
-episode, and every sampled token's log-prob equals a dense recomputation under its own
-version over the whole history ("recompute" and "wait": all of them; "keep": all but the
+episode, and every sampled token's log-prob equals, bit for bit, a dense recomputation
+under its own version over the whole history ("recompute" and "wait": all of them; "keep": all but the
 flagged ones). Observation tokens are never sampled, flagged or stamped with a version
 that did not sample the token before them.
 """
+import threading
 import time
 
 import jax
+import pytest
 import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from jaxrl_cache import CacheConfig, SamplingParams, SchedulerConfig
+from jaxrl_cache.errors import VersionError
 from jaxrl_cache.rollout import core
 from jaxrl_cache.rollout.env import EnvStep
 from tests.helpers import CONFIG, own_version_logprobs, varied_params
@@ -28,12 +35,17 @@ SP = SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
 LAG = 1
 
 
+FAULTS = {"raise": RuntimeError, "exit": SystemExit, "interrupt": KeyboardInterrupt}
+ENV_TIMEOUT = 0.25
+
+
 class Env:
-    """Answers with tokens derived from the turn; `turns`, `delay`, and `fail_on` (the
-    step that raises) come from the spec the test drew for its task."""
+    """Answers with tokens derived from the turn; `turns`, `delay`, `fail_on` (the step
+    that fails) and `mode` (how: raise RuntimeError, SystemExit or KeyboardInterrupt, or
+    hang past env_timeout) come from the spec the test drew for its task."""
 
     def __init__(self, spec):
-        self.task, self.turns, self.delay, self.fail_on = spec
+        self.task, self.turns, self.delay, self.fail_on, self.mode = spec
         self.steps = 0
 
     def reset(self):
@@ -43,7 +55,10 @@ class Env:
         time.sleep(self.delay)
         self.steps += 1
         if self.steps == self.fail_on:
-            raise RuntimeError("env fault")
+            if self.mode == "hang":
+                threading.Event().wait(8 * ENV_TIMEOUT)  # long past the timeout
+            else:
+                raise FAULTS[self.mode]("env fault")
         done = self.steps >= self.turns
         return EnvStep(None if done else [1 + sum(action) % 40, 2], 1.0, done)
 
@@ -67,23 +82,26 @@ class EpisodeMachine(RuleBasedStateMachine):
         self.acked.append(version)
 
     @rule(specs=st.lists(st.tuples(st.sampled_from(range(len(TASKS))), st.integers(1, 3),
-                                   st.sampled_from([0.0, 0.02]),
-                                   st.sampled_from([None, 1, 2])), min_size=1, max_size=2),
+                                   st.sampled_from([0.0, 0.02]), st.sampled_from([None, 1, 2]),
+                                   st.sampled_from(["raise", "exit", "interrupt", "hang"])),
+                         min_size=1, max_size=2),
           updates=st.lists(st.booleans(), max_size=6))
     def episodes(self, specs, updates):
         if self.policy != "wait":  # "wait": a sync waits for the whole call
             self.engine.script = [self._sync if u else None for u in updates]
         start = self.engine.version
         self.key += 1
-        tasks = [(TASKS[t], turns, delay, fail) for t, turns, delay, fail in specs]
+        tasks = [(TASKS[t], turns, delay, fail, mode) for t, turns, delay, fail, mode in specs]
         batch = self.engine.rollout_episodes(self.params[start], start, tasks, Env, SP,
-                                             rng=jax.random.key(self.key), max_turns=3)
+                                             rng=jax.random.key(self.key), max_turns=3,
+                                             env_timeout=ENV_TIMEOUT)
         self.engine.script = []
         for e in batch.episodes:
-            task, turns, _, fail = tasks[e.group]
+            task, turns, _, fail, mode = tasks[e.group]
             assert e.prompt_ids == task
             if fail is not None and fail <= turns:
-                assert e.finish_reason == "error" and "env fault" in e.error
+                reason = "TimeoutError" if mode == "hang" else FAULTS[mode].__name__
+                assert e.finish_reason == "error" and e.error.startswith(reason), e.error
                 assert len(e.turns) == fail
             else:
                 assert e.finish_reason == "done" and len(e.turns) == turns
@@ -99,11 +117,30 @@ class EpisodeMachine(RuleBasedStateMachine):
             if e.mixed_tokens is not None:
                 assert self.policy == "keep" and not e.mixed_tokens[~e.loss_mask].any()
                 check &= ~e.mixed_tokens
-            np.testing.assert_allclose(e.logprobs[check], want[check], atol=3e-3)
+            np.testing.assert_array_equal(e.logprobs[check], want[check])  # exact numerics
 
     @rule()
     def sync_between_calls(self):
         self._sync()
+
+    @rule(drop_kv=st.booleans())
+    def release_and_resync_other_params(self, drop_kv):
+        """release_weights, then other params at the synced version: refused (the version's
+        weights are fixed), also with replace=True while its KV is cached; the same weights
+        come back; with nothing cached, replace=True installs the others."""
+        version = self.engine.version
+        self.engine.release_weights(drop_kv=drop_kv)
+        other = varied_params(100 + version)
+        with pytest.raises(VersionError, match="already synced with different params"):
+            self.engine.sync_weights(other, version)
+        cached = self.engine._cache_key(version) in self.engine.cache.versions()
+        if cached:
+            with pytest.raises(VersionError, match="holds KV"):
+                self.engine.sync_weights(other, version, replace=True)
+            self.engine.sync_weights(self.params[version], version)
+        else:
+            assert self.engine.sync_weights(other, version, replace=True).version == version
+            self.params[version] = other
 
     @rule(at=st.integers(1, 4), updates=st.lists(st.booleans(), max_size=3))
     def failing_call(self, at, updates):
