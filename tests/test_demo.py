@@ -475,3 +475,23 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
         (out / "run.json").write_text(text)
         err = _cli_error(["demo", "--out", str(out), "--resume"], capsys)
         assert err.startswith(f"jaxrl-cache demo: error: {out / 'run.json'}: "), err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-pages", "3"], "--kv-pages 3 cannot hold one sample"),
+    (["--max-policy-lag", "5000"], "--max-policy-lag must be an integer in [0, 1024]"),
+    (["--chunk-steps", str(10**12)], "--chunk-steps must be at most 4096"),
+    (["--max-new-tokens", "100000"], "exceeds the max_seq_len 128"),
+    (["--task", str(TASK_FILE), "--max-new-tokens", "100000"], "exceeds the max_seq_len"),
+])
+def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
+    """Flags that only the job can judge (the pool for the batch, bounds) fail in one line
+    before the warm start and the first checkpoint: --out holds nothing, so the corrected
+    command is not refused as a previous run (issue 32, defect 6)."""
+    out = tmp_path / "run"
+    start = time.perf_counter()
+    assert cli.main(["demo", "--out", str(out), "--steps", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+    assert time.perf_counter() - start < 30  # no warm start ran
+    assert not RunDir(out).holds_run() and not (out / "checkpoints").exists()

@@ -50,11 +50,14 @@ from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
 from jaxrl_cache.rl.train import TrainConfig, TrainState, check_memory, make_optimizer
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
+from jaxrl_cache.rollout.scheduler import row_pages
 
 MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
 MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
+MAX_CHUNK_STEPS = 4096  # decode steps per chunk: each is a column of the chunk's outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +136,12 @@ class DemoOptions:
             raise ValueError(f"--kv-policy must be 'recompute' or 'keep', got "
                              f"{self.kv_policy!r}")
         if isinstance(self.max_policy_lag, bool) or not isinstance(self.max_policy_lag, int) \
-                or self.max_policy_lag < 0:
-            raise ValueError(f"--max-policy-lag must be an integer >= 0, got "
-                             f"{self.max_policy_lag!r}")
+                or not 0 <= self.max_policy_lag <= MAX_POLICY_LAG:
+            raise ValueError(f"--max-policy-lag must be an integer in [0, {MAX_POLICY_LAG}], "
+                             f"got {self.max_policy_lag!r}")
+        if self.chunk_steps > MAX_CHUNK_STEPS:  # a static shape: [slots, chunk_steps] arrays
+            raise ValueError(f"--chunk-steps must be at most {MAX_CHUNK_STEPS}, got "
+                             f"{self.chunk_steps}")
         _train_config(self, async_rollouts=self.async_rollouts)  # TrainConfig checks them
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError(f"--mini-batches ({self.mini_batches}) exceeds the samples of a "
@@ -215,14 +221,25 @@ def _check_inputs(opts: DemoOptions):
         config_file = pathlib.Path(opts.model) / "config.json"
         limit = config_from_hf(read_json(config_file), source=str(config_file)).max_seq_len
         tokenizer, model = load_tokenizer(opts.model), f"--model {opts.model}"
-    if opts.task is not None:
-        max_new = _max_new_tokens(opts, task)
-        lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in task.examples])]
+    max_new = _max_new_tokens(opts, task)
+    if opts.env is None:
+        examples = task.examples if opts.task is not None else task.sample(
+            np.random.default_rng(opts.seed), 64)
+        lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in examples])]
         bad = next((i for i, n in enumerate(lengths) if n + max_new > limit), None)
         if bad is not None:
-            raise ValueError(f"{task.path}:{task.lines[bad]}: the prompt is {lengths[bad]} "
-                             f"tokens; with {max_new} new tokens it exceeds the max_seq_len "
-                             f"{limit} of {model}")
+            where = f"{task.path}:{task.lines[bad]}" if opts.task is not None else "--max-new-tokens"
+            raise ValueError(f"{where}: the prompt is {lengths[bad]} tokens; with {max_new} "
+                             f"new tokens it exceeds the max_seq_len {limit} of {model}")
+        need = row_pages(max(lengths), max_new, PAGE_SIZE)
+        if need > opts.kv_pages - 1:  # page 0 is the null page
+            raise ValueError(f"--kv-pages {opts.kv_pages} cannot hold one sample: the longest "
+                             f"prompt ({max(lengths)} tokens) + {max_new} new tokens need "
+                             f"{need} KV pages of {PAGE_SIZE} tokens; use --kv-pages {need + 1} "
+                             f"or more")
+    elif max_new >= limit:
+        raise ValueError(f"--max-new-tokens {max_new} leaves no room for the episode's "
+                         f"context within the max_seq_len {limit} of {model}")
     return task, layout
 
 
