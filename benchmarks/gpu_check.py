@@ -8,7 +8,9 @@
     L in {512, 4k, 16k}: GB/s of K/V moved, the fraction of the device's measured copy
     bandwidth, the roofline model's prediction (benchmarks/roofline.py) and the speed ratio
     against jax.experimental.pallas.ops.gpu.paged_attention at the same shape;
-(3) causal prefill of 4k tokens at the default and alternative program shapes: TFLOP/s.
+(3) causal prefill of 4k tokens at the default and alternative program shapes: TFLOP/s;
+(4) exactness: an engine's recorded log-probs (kernels, and the xla path) against the
+    trainer's teacher-forced ones, bit for bit (exact on CPU; this answers it for the GPU).
 Writes gpu_check.json and gpu_check.txt into --out.
 """
 from __future__ import annotations
@@ -174,6 +176,49 @@ def bench_prefill(backend, smoke, report):
         print("prefill", row, flush=True)
 
 
+def check_exactness(backend, smoke, report):
+    """Exact numerics on this device: an engine's recorded log-probs (Pallas kernels, and the
+    xla path) against the trainer's teacher-forced ones (rl.logprobs, the dense forward), bit
+    for bit. On CPU both match (tests/test_exactness.py); this answers it for the GPU. Never
+    fails the script: the numbers (and any error) go into the report."""
+    from jaxrl_cache.models import ModelConfig, init_params
+    from jaxrl_cache.rl.logprobs import next_token_log_probs
+    from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+    config = ModelConfig.tiny(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2,
+                              head_dim=64, d_ff=512, max_seq_len=512)
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    system = [int(t) for t in rng.integers(1, 512, 48)]
+    prompts = [system + [int(t) for t in rng.integers(1, 512, 5 + i)] for i in range(4)]
+    sampling = SamplingParams(n=4, max_new_tokens=8 if smoke else 32, temperature=1.0)
+    for engine_backend in (backend, "xla"):
+        row = dict(engine_backend=engine_backend)
+        try:
+            engine = RolloutEngine(config, CacheConfig(num_pages=256, page_size=16),
+                                   backend=engine_backend)
+            batches = [engine.rollout(params, 0, prompts, sampling, rng=jax.random.key(k))
+                       for k in range(2)]  # the second call reuses the cached prefix
+            tokens = diffs = mismatched = 0
+            for batch in batches:
+                longest = max(len(s.prompt_ids) + len(s.output_ids) for s in batch.samples)
+                rows = np.zeros((len(batch.samples), -(-longest // 64) * 64), np.int32)
+                for i, s in enumerate(batch.samples):
+                    rows[i, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
+                logp = np.asarray(next_token_log_probs(params, config, rows, sampling))
+                for i, s in enumerate(batch.samples):
+                    p, o = len(s.prompt_ids), len(s.output_ids)
+                    got = np.asarray(s.output_logprobs, np.float32)
+                    want = logp[i, p - 1:p - 1 + o]
+                    tokens += o
+                    mismatched += int((got != want).sum())
+                    diffs = max(diffs, float(np.abs(got - want).max(initial=0.0)))
+            row.update(tokens=tokens, bit_mismatches=mismatched, max_abs_diff=diffs,
+                       exact=mismatched == 0, cached_tokens=batches[1].cached_tokens)
+        except Exception as e:  # noqa: BLE001 - recorded, the check answers a question
+            row.update(error=f"{type(e).__name__}: {e}"[:300])
+        report["exactness"].append(row)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -183,10 +228,12 @@ def main():
     device = jax.devices()[0]
     report = dict(date=datetime.date.today().isoformat(), device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, backend=backend,
-                  correctness=[], decode=[], prefill=[])
+                  correctness=[], exactness=[], decode=[], prefill=[])
     t0 = time.perf_counter()
     check_correctness(backend, args.smoke, report)
     print("correctness", report["correctness"], flush=True)
+    check_exactness(backend, args.smoke, report)
+    print("exactness", report["exactness"], flush=True)
     report["copy_GBps"] = copy_bandwidth(args.smoke) / 1e9
     bench_decode(backend, args.smoke, report, report["copy_GBps"] * 1e9)
     bench_prefill(backend, args.smoke, report)
@@ -200,6 +247,11 @@ def main():
     lines += [f"  {c['shape']}: decode {c['decode_max_err']:.2e}, prefill "
               f"{c['prefill_max_err']:.2e} {'ok' if c['ok'] else 'FAIL'}"
               for c in report["correctness"]]
+    lines += ["", "exactness (engine log-probs vs the trainer's, bit for bit):"]
+    lines += [f"  engine {r['engine_backend']}: " + (r["error"] if "error" in r else
+              f"{r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
+              f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'})")
+              for r in report["exactness"]]
     lines += ["", "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"]
     for r in report["decode"]:
         lines.append(f"      {r['B']:3d} {r['L']:6d} {r['ours_ms']:9.3f} {r['GBps']:7.0f} "

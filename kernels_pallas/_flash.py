@@ -97,3 +97,68 @@ def paged_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, maske
     masked_from = jnp.clip(masked_from, first_block, last_block)
     carry = lax.fori_loop(first_block, masked_from, lambda i, c: body(i, c, False), carry)
     return lax.fori_loop(masked_from, last_block, lambda i, c: body(i, c, True), carry)
+
+
+def _halving_sum(x):
+    """x [rows, 2^k] -> [rows]: the halving tree of `blocked.tree_sum` (equal splits, which
+    the Triton lowering supports)."""
+    while x.shape[-1] > 1:
+        left, right = jnp.split(x, 2, axis=-1)
+        x = left + right
+    return x[..., 0]
+
+
+def exact_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block, *,
+                     pages_per_block: int, sm_scale: float, mask: Callable,
+                     key_valid: Callable, chunks, key_block: int = 16):
+    """Attention of q over blocks [first_block, last_block) in the canonical order of
+    `kernels_pallas.blocked` (what the references and the trainer compute, bit for bit in
+    interpret mode): pass 1 takes the row max over every visible key; pass 2 adds, block by
+    block and within a block `key_block` keys at a time, first key first, the tree-summed
+    exp(s - max) and its dot with V. No online rescaling: the max is final before any sum.
+
+    q: chunks of [rows, size]; mask(i, block_k) -> bool [rows or 1, block_k] visible keys;
+    key_valid(i, block_k) -> bool [block_k] written keys (V zeroed elsewhere). Blocks
+    outside [first_block, last_block) hold no visible key. Returns (o: tuple of f32
+    [rows, size] unnormalised, l f32 [rows]).
+    """
+    rows = q[0].shape[0]
+    block_k = pages_per_block * k_ref.shape[1]
+    parts = block_k // key_block
+
+    def scores(i, page_ids):
+        s = None
+        for (off, size), qc in zip(chunks, q):  # fp32 operands, as blocked.block_scores
+            k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
+            part = _dot(qc.astype(jnp.float32), k.astype(jnp.float32), 1)
+            s = part if s is None else s + part
+        return jnp.where(mask(i, block_k), s * sm_scale, -jnp.inf)
+
+    def pages(i):
+        return pages_ref[pl.ds(i * pages_per_block, pages_per_block)] + page_offset
+
+    top = lax.fori_loop(first_block, last_block,
+                        lambda i, m: jnp.maximum(m, scores(i, pages(i)).max(axis=-1)),
+                        jnp.full((rows,), -jnp.inf, jnp.float32))
+    top = jnp.where(top > -jnp.inf, top, 0.0)
+
+    def body(i, carry):
+        o, l = carry
+        page_ids = pages(i)
+        visible = mask(i, block_k)
+        p = jnp.where(visible, jnp.exp(scores(i, page_ids) - top[:, None]), 0.0)
+        valid = key_valid(i, block_k)[:, None]
+        p_parts = jnp.split(p, parts, axis=-1) if parts > 1 else [p]
+        o_new = list(o)
+        for j, pj in enumerate(p_parts):
+            l = l + _halving_sum(pj)
+            for c, (off, size) in enumerate(chunks):
+                v = v_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
+                v = jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
+                vj = jnp.split(v, parts, axis=0)[j] if parts > 1 else v
+                o_new[c] = o_new[c] + _dot(pj, vj, 0)
+        return tuple(o_new), l
+
+    carry = (tuple(jnp.zeros((rows, size), jnp.float32) for _, size in chunks),
+             jnp.zeros((rows,), jnp.float32))
+    return lax.fori_loop(first_block, last_block, body, carry)

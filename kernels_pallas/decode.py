@@ -23,7 +23,8 @@ from kernels_pallas import _common as c
 from kernels_pallas._common import MASK_VALUE
 from kernels_pallas.blocked import (KEY_BLOCK, block_scores, block_values, combine_blocks,
                                     key_blocks, softmax_blocks)
-from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
+from kernels_pallas._flash import (exact_flash_loop, head_dim_chunks, load_chunks,
+                                   paged_flash_loop, store_chunks)
 
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200; on a GPU the device's own count is used
@@ -129,6 +130,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_ref
     def visible(i, block_k):  # keys below this row's length
         return (i * block_k + jnp.arange(block_k) < seq_len)[None, :]
 
+    if plan.num_splits == 1:  # the canonical order: the references' bits (interpret mode)
+        o, l = exact_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
+                                offset_ref[0], first, last, pages_per_block=pages_per_block,
+                                sm_scale=sm_scale, mask=visible,
+                                key_valid=lambda i, bk: visible(i, bk)[0], chunks=chunks)
+        denom = jnp.where(l > 0, l, 1.0)[:, None]
+        store_chunks(out_refs[0], tuple(top_rows(x / denom, plan.group_rows) for x in o),
+                     chunks)
+        return
     full_blocks = seq_len // plan.block_k  # blocks without a key past seq_len
     o, m, l = paged_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
                                offset_ref[0], first, full_blocks, last,
@@ -137,9 +147,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_ref
                                chunks=chunks)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     o = tuple(top_rows(x * inv_l[:, None], plan.group_rows) for x in o)
-    if plan.num_splits == 1:
-        store_chunks(out_refs[0], o, chunks)
-        return
 
     @pl.when(split < splits)
     def _():
@@ -313,10 +320,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
     batch, num_q_heads, head_dim = q.shape
     *_, num_kv_heads, page_size, _ = k_pages.shape
+    interpret = backend == "interpret"
+    if interpret and num_splits is None:
+        num_splits = 1  # interpret mode checks the exact (single-split) order on CPU
     plan = plan_decode(batch, num_q_heads, num_kv_heads, head_dim, page_size,
                        page_table.shape[1], max_kv_len=max_kv_len, num_sms=num_sms,
                        pages_per_block=pages_per_block, num_splits=num_splits)
-    interpret = backend == "interpret"
     if not interpret and plan.block_k < MIN_DOT_ROWS:
         raise ValueError(
             f"pages_per_block * page_size = {plan.block_k} must be >= 16 "

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
-from kernels_pallas._flash import head_dim_chunks, load_chunks, paged_flash_loop, store_chunks
+from kernels_pallas._flash import exact_flash_loop, head_dim_chunks, load_chunks, store_chunks
 from kernels_pallas.blocked import blocked_attention
 
 
@@ -43,20 +43,18 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
     kv_len = info_ref[1]
     row_pos = q_pos0 + jnp.arange(rows) // group  # [rows]
     kv_end = jnp.minimum(kv_len, q_pos0 + rows // group)  # causal bound of the tile
-    full_blocks = jnp.minimum(q_pos0 + 1, kv_len) // block_k  # visible to every row
 
     def visible(i, block_k):  # causal, and below the sequence's length
         col_pos = i * block_k + jnp.arange(block_k)
         return (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
 
-    o, _, l = paged_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
-                               info_ref[2], 0, full_blocks, pl.cdiv(kv_end, block_k),
-                               pages_per_block=pages_per_block, sm_scale=sm_scale,
-                               mask=visible,
-                               key_valid=lambda i, bk: i * bk + jnp.arange(bk) < kv_len,
-                               chunks=chunks)
-    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
-    store_chunks(o_ref, tuple(x * inv_l[:, None] for x in o), chunks)
+    o, l = exact_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
+                            info_ref[2], 0, pl.cdiv(kv_end, block_k),
+                            pages_per_block=pages_per_block, sm_scale=sm_scale, mask=visible,
+                            key_valid=lambda i, bk: i * bk + jnp.arange(bk) < kv_len,
+                            chunks=chunks)
+    denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
+    store_chunks(o_ref, tuple(x / denom for x in o), chunks)
 
 
 def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int):

@@ -418,3 +418,40 @@ class TestBadInput:
     def test_unknown_backend(self):
         with pytest.raises(ValueError, match="backend"):
             paged_decode_attention(self.q, self.k, self.k, self.table, self.lens, backend="tpu")
+
+
+EXACT_GRID = [(4, (3, 3), 32, jnp.float32), (8, (4, 2), 16, jnp.float32),
+              (16, (4, 1), 64, jnp.float32), (8, (8, 2), 64, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("page_size,heads,head_dim,dtype", EXACT_GRID)
+def test_interpret_kernels_are_the_references_bit_for_bit(page_size, heads, head_dim, dtype):
+    """Exact numerics: in interpret mode the decode (one split) and prefill kernels reduce in
+    the canonical order of kernels_pallas.blocked, so they return the xla references' bits
+    (which the trainer's dense forward reproduces), shared prompt pages and cached prefixes
+    included."""
+    rng = np.random.default_rng(page_size + head_dim)
+    hq, hkv = heads
+    num_pages, batch, width = 48, 3, 12
+    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
+    table = jnp.asarray(random_page_table(rng, batch, width, num_pages))
+    lens = jnp.asarray([5, 3 * page_size + 1, width * page_size], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, hq, head_dim)), dtype)
+    want = paged_decode_attention(q, k, v, table, lens, backend="xla")
+    got = paged_decode_attention(q, k, v, table, lens, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    shared = table[0, :2]  # a shared prompt: the first two pages of every row
+    rows = jnp.concatenate([jnp.broadcast_to(shared, (batch, 2)), table[:, 2:]], 1)
+    lens2 = jnp.maximum(lens, 2 * page_size + 1)
+    want = paged_decode_attention(q, k, v, rows[:, 2:], lens2, shared_pages=shared,
+                                  backend="xla")
+    got = paged_decode_attention(q, k, v, rows[:, 2:], lens2, shared_pages=shared,
+                                 backend="interpret")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    cu = jnp.asarray([0, 5, 20, 30], jnp.int32)  # cached prefixes of 0, 15 and 86 tokens
+    kv_lens = jnp.asarray([5, 30, width * page_size], jnp.int32)
+    qp = jnp.asarray(rng.standard_normal((32, hq, head_dim)), dtype)
+    want = paged_prefill_attention(qp, k, v, table, cu, kv_lens, backend="xla")
+    got = paged_prefill_attention(qp, k, v, table, cu, kv_lens, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[:30],
+                                  np.asarray(want, np.float32)[:30])
