@@ -554,3 +554,33 @@ def test_a_version_keeps_its_params_after_release():
     assert fresh.cached_tokens == 0 and audit_attribution(fresh, {1: other}, CONFIG).ok
     with pytest.raises(TypeError, match="replace must be a bool"):
         engine.sync_weights(other, 1, replace="yes")
+
+
+def test_a_call_in_flight_fixes_the_version_it_was_staged_at():
+    """Asynchronous mode: a call at a newer version stages its params; a sync landing at
+    that version during the call must bring the same weights (its rows are writing KV of
+    them), else VersionError, replace=True included: before, the other params were
+    committed and the next call at that version reused the first params' prefix KV."""
+    from tests.test_async_stateful import Scripted
+    engine = Scripted(CONFIG, CacheConfig(num_pages=96, page_size=PS),
+                      scheduler_config=SchedulerConfig(chunk_steps=2), kv_policy="recompute")
+    engine.sync_weights(varied_params(0), 0)
+    mine, other, refused = varied_params(1), varied_params(7), []
+
+    def sync_other():
+        for replace in (False, True):
+            with pytest.raises(VersionError) as e:
+                engine.sync_weights(other, 1, replace=replace)
+            refused.append(str(e.value))
+        assert engine.sync_weights(mine, 1).version == 1  # the call's own weights: fine
+
+    engine.script = [None, sync_other]
+    batch = engine.rollout(mine, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    engine.script = []
+    assert "already synced with different params" in refused[0]
+    assert "asynchronous call is in flight" in refused[1]
+    assert engine.version == 1 and audit_attribution(batch, {1: mine}, CONFIG).ok
+    with pytest.raises(VersionError, match="already synced with different params"):
+        engine.rollout(other, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    again = engine.rollout(mine, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert again.cached_tokens > 0 and audit_attribution(again, {1: mine}, CONFIG).ok

@@ -216,7 +216,9 @@ class RolloutEngine:
         older prefix entry dropped; then the version is committed. Same version: idempotent
         (nothing invalidated) for the same weights (the very arrays, or equal ones: a
         fingerprint of the synced weights outlives `release_weights`); other weights are a
-        VersionError, unless replace=True and the cache holds nothing of that version.
+        VersionError, unless replace=True, the cache holds nothing of that version and no
+        asynchronous call is in flight. The version an asynchronous call in flight was
+        staged at is fixed the same way (its rows hold KV of those weights).
         Older: VersionError. If anything fails, the previous version,
         weights and cache stay as they were. The ack reports the bytes copied and the sync's
         own seconds.
@@ -273,21 +275,36 @@ class RolloutEngine:
                 finally:
                     self._reconcile()
 
-    def _same_version(self, params, version: int, replace: bool) -> bool:
-        """Params offered again at the synced `version`: True when they are the weights
-        synced under it (fingerprint), False when they differ and `replace` allows them
-        (the cache holds nothing of that version); otherwise VersionError. A version's
-        weights are fixed once synced, lent or copied, released or not: KV cached under it
-        was computed by them."""
-        if np.array_equal(np.asarray(_checked(params)[1]), self._weights.fingerprint):
+    def _pinned(self, version: int) -> _Weights | None:
+        """The weights that fixed `version`, if any: the committed ones, or those an
+        asynchronous call in flight was staged at (its rows hold their KV, its commit is
+        pending)."""
+        active = self._active
+        if active is not None and active.weights.version == version and \
+                active.weights.fingerprint is not None:
+            return active.weights
+        current = self._weights
+        return current if current.version == version and current.fingerprint is not None \
+            else None
+
+    def _same_version(self, params, version: int, pinned: _Weights, replace: bool) -> bool:
+        """Params offered again at `version`, fixed by `pinned`: True when they are its
+        weights (fingerprint), False when they differ and `replace` allows them (nothing of
+        that version cached, no call in flight); otherwise VersionError. A version's weights
+        are fixed once synced, lent or copied, released or not: KV cached under it was
+        computed by them."""
+        if np.array_equal(np.asarray(_checked(params)[1]), pinned.fingerprint):
             return True
         if not replace:
             raise VersionError(
                 f"version {version} is already synced with different params; a weight "
                 f"change must come with a new version (or, with nothing of version {version} "
                 f"cached, sync_weights(..., replace=True))")
-        key = self._cache_key(version)
-        if key in self.cache.versions():
+        if self._active is not None:
+            raise VersionError(f"sync_weights(replace=True) at version {version} while an "
+                               f"asynchronous call is in flight: its rows hold KV computed "
+                               f"by the params synced before")
+        if self._cache_key(version) in self.cache.versions():
             raise VersionError(f"sync_weights(replace=True) at version {version}: the prefix "
                                f"cache holds KV of version {version}, computed by the params "
                                f"synced before; release_weights(drop_kv=True) first")
@@ -296,16 +313,20 @@ class RolloutEngine:
     def _stage(self, params, version: int, borrow: bool = False,
                replace: bool = False) -> _Weights | None:
         """Validated resident copy (borrow: the arrays themselves where they already are on
-        the engine's placement) of `params` for a newer `version` (nothing committed)."""
+        the engine's placement) of `params` for `version` (nothing committed); None when
+        they are the resident weights of the committed version. A version already fixed
+        (`_pinned`) accepts only its own weights (`_same_version`)."""
         current = self._weights
         if version < current.version:
             raise VersionError(f"version {version} is older than the engine's version "
                                f"{current.version}; versions only move forward")
-        if version == current.version and current.fingerprint is not None:
-            if current.params is not None and _same_leaves(params, current.source):
+        pinned = self._pinned(version)
+        if pinned is not None:
+            resident = pinned is current and current.params is not None
+            if resident and _same_leaves(params, current.source):
                 return None
             self._check_params(params)
-            if self._same_version(params, version, replace) and current.params is not None:
+            if self._same_version(params, version, pinned, replace) and resident:
                 return None  # equal weights, still resident
         begun = time.perf_counter()
         self._check_params(params)
