@@ -1,4 +1,6 @@
-"""Kernel-side flash-attention loop shared by the decode and prefill kernels."""
+"""Kernel-side attention loops shared by the decode and prefill kernels: `exact_loop` (the
+canonical order of kernels_pallas.blocked, the default) and `paged_flash_loop` (online
+softmax, exact=False: one pass over K, flash-decoding splits)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import MASK_VALUE
+from kernels_pallas.blocked import KEY_BLOCK
 
 LOG2E = math.log2(math.e)
 
@@ -99,65 +102,91 @@ def paged_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, maske
     return lax.fori_loop(masked_from, last_block, lambda i, c: body(i, c, True), carry)
 
 
-def _halving_sum(x):
-    """x [rows, 2^k] -> [rows]: the halving tree of `blocked.tree_sum` (equal splits, which
-    the Triton lowering supports)."""
+def halving_sum(x):
+    """x [rows, 2^k] -> f32 [rows]: the halving tree of `blocked.tree_sum` (x[:n/2] + x[n/2:],
+    repeated), written with equal two-way splits, which the Triton lowering supports."""
     while x.shape[-1] > 1:
         left, right = jnp.split(x, 2, axis=-1)
         x = left + right
     return x[..., 0]
 
 
-def exact_flash_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block, *,
-                     pages_per_block: int, sm_scale: float, mask: Callable,
-                     key_valid: Callable, chunks, key_block: int = 16):
-    """Attention of q over blocks [first_block, last_block) in the canonical order of
-    `kernels_pallas.blocked` (what the references and the trainer compute, bit for bit in
-    interpret mode): pass 1 takes the row max over every visible key; pass 2 adds, block by
-    block and within a block `key_block` keys at a time, first key first, the tree-summed
-    exp(s - max) and its dot with V. No online rescaling: the max is final before any sum.
+def _parts(x, n: int, axis: int):
+    return [x] if n == 1 else jnp.split(x, n, axis=axis)
 
-    q: chunks of [rows, size]; mask(i, block_k) -> bool [rows or 1, block_k] visible keys;
-    key_valid(i, block_k) -> bool [block_k] written keys (V zeroed elsewhere). Blocks
-    outside [first_block, last_block) hold no visible key. Returns (o: tuple of f32
-    [rows, size] unnormalised, l f32 [rows]).
+
+def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block, *,
+               pages_per_block: int, sm_scale: float, mask: Callable, key_valid: Callable,
+               chunks, f32_scores: bool):
+    """Attention of q over blocks [first_block, last_block) of pages_per_block pages in the
+    canonical order of `kernels_pallas.blocked` (the references' and the trainer's order):
+
+    pass 1: the row max over every visible key (a max is exact in any order);
+    pass 2: per block, s = dot(q, k) * scale once more, p = exp(s - max) (0 where invisible),
+    then for each KEY_BLOCK of it, first key first: l += halving tree sum of p,
+    o += dot(p [rows, KEY_BLOCK], v [KEY_BLOCK, size]). No online rescaling.
+
+    Key blocks of the sequence start at position 0 and a kernel block holds whole ones
+    (block_k = pages_per_block * page_size, a power of two >= KEY_BLOCK), so o and l are the
+    references' left-to-right chains; blocks outside [first_block, last_block) hold no
+    visible key and would add exact zeros. The score dot spans the whole block (N = block_k):
+    XLA:CPU (interpret mode) gives the reference's bits for N a multiple of 64.
+    f32_scores: q and k in fp32 for the score dot (interpret mode, as blocked.block_scores);
+    else in their own dtype (the GPU: bf16 products are exact either way, MMA at full rate).
+    p @ v runs in fp32 (v converted; TF32 on the GPU).
+
+    q: tuple of [rows, size] chunks; mask(i, block_k) -> bool [rows or 1, block_k] visible
+    keys; key_valid(i, block_k) -> bool [block_k] written keys (V zeroed elsewhere, so NaN /
+    Inf in free slots cannot leak). Returns (o: tuple of f32 [rows, size] unnormalised,
+    l f32 [rows]).
     """
     rows = q[0].shape[0]
     block_k = pages_per_block * k_ref.shape[1]
-    parts = block_k // key_block
-
-    def scores(i, page_ids):
-        s = None
-        for (off, size), qc in zip(chunks, q):  # fp32 operands, as blocked.block_scores
-            k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
-            part = _dot(qc.astype(jnp.float32), k.astype(jnp.float32), 1)
-            s = part if s is None else s + part
-        return jnp.where(mask(i, block_k), s * sm_scale, -jnp.inf)
+    if block_k % KEY_BLOCK:
+        raise ValueError(f"the exact order needs pages_per_block * page_size >= {KEY_BLOCK}, "
+                         f"got {block_k}")
+    parts = block_k // KEY_BLOCK
+    if f32_scores:
+        q = tuple(x.astype(jnp.float32) for x in q)
 
     def pages(i):
         return pages_ref[pl.ds(i * pages_per_block, pages_per_block)] + page_offset
 
+    def scores(i, page_ids):
+        s = None
+        for (off, size), qc in zip(chunks, q):
+            k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size).astype(qc.dtype)
+            part = _dot(qc, k, 1)
+            s = part if s is None else s + part
+        return jnp.where(mask(i, block_k), s * sm_scale, -jnp.inf)
+
     top = lax.fori_loop(first_block, last_block,
                         lambda i, m: jnp.maximum(m, scores(i, pages(i)).max(axis=-1)),
                         jnp.full((rows,), -jnp.inf, jnp.float32))
-    top = jnp.where(top > -jnp.inf, top, 0.0)
+    top = jnp.where((top > -jnp.inf) & (top < jnp.inf), top, 0.0)[:, None]
+
+    page_size = k_ref.shape[1]
+    sub_pages = max(1, KEY_BLOCK // page_size)  # pages of one key block
+    sub_keys = min(page_size, KEY_BLOCK)  # its keys within each of them
+
+    def values(i, j, off, size):
+        """fp32 V [KEY_BLOCK, size] of key block j of block i; 0 where not written."""
+        first_key = j * KEY_BLOCK
+        page_ids = pages_ref[pl.ds(i * pages_per_block + first_key // page_size, sub_pages)]
+        v = v_ref[page_ids + page_offset, pl.ds(first_key % page_size, sub_keys),
+                  pl.ds(off, size)].reshape(KEY_BLOCK, size)
+        valid = key_valid(i, block_k)
+        valid = _parts(valid, parts, 0)[j][:, None]
+        return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
 
     def body(i, carry):
         o, l = carry
-        page_ids = pages(i)
-        visible = mask(i, block_k)
-        p = jnp.where(visible, jnp.exp(scores(i, page_ids) - top[:, None]), 0.0)
-        valid = key_valid(i, block_k)[:, None]
-        p_parts = jnp.split(p, parts, axis=-1) if parts > 1 else [p]
-        o_new = list(o)
-        for j, pj in enumerate(p_parts):
-            l = l + _halving_sum(pj)
-            for c, (off, size) in enumerate(chunks):
-                v = v_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size)
-                v = jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
-                vj = jnp.split(v, parts, axis=0)[j] if parts > 1 else v
-                o_new[c] = o_new[c] + _dot(pj, vj, 0)
-        return tuple(o_new), l
+        p = jnp.where(mask(i, block_k), jnp.exp(scores(i, pages(i)) - top), 0.0)
+        o = list(o)
+        for j, pj in enumerate(_parts(p, parts, 1)):
+            l = l + halving_sum(pj)
+            o = [oc + _dot(pj, values(i, j, off, size), 0) for oc, (off, size) in zip(o, chunks)]
+        return tuple(o), l
 
     carry = (tuple(jnp.zeros((rows, size), jnp.float32) for _, size in chunks),
              jnp.zeros((rows,), jnp.float32))

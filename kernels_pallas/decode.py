@@ -1,11 +1,19 @@
 """Paged decode attention: one new query token per sequence over a paged KV pool.
 
-Flash-decoding on GPU: each program owns one (sequence, kv head, split) and the whole GQA
-group of query heads (padded to the 16 rows `tl.dot` needs). `plan_decode` picks the split
-count on the host from batch, SM count and the longest length; each row divides its own valid
-blocks evenly among its splits (short rows use fewer, the rest idle), keeps an online softmax
-in fp32 (exp2, scale folded) and, when unsplit, writes the normalised output directly;
-otherwise (o, lse) partials of the group's rows, merged by one log-sum-exp in XLA.
+Each program owns one (sequence, kv head, split) and the whole GQA group of query heads
+(padded to the 16 rows `tl.dot` needs).
+
+exact=True (the default): one split per (sequence, kv head), reducing in the canonical order
+of `kernels_pallas.blocked` (`_flash.exact_loop`: a max pass over the keys, then per 16-key
+block a tree-summed exp and a K = 16 dot with V, chained left to right), so in interpret mode
+the kernel returns `paged_decode_reference`'s bits, which the trainer's dense forward
+reproduces. Splitting the keys would break that chain, so there is no flash-decoding.
+
+exact=False: flash-decoding. `plan_decode` picks the split count on the host from batch, SM
+count and the longest length; each row divides its own valid blocks evenly among its splits
+(short rows use fewer, the rest idle), keeps an online softmax in fp32 (exp2, scale folded)
+and, when unsplit, writes the normalised output directly; otherwise (o, lse) partials of the
+group's rows, merged by one log-sum-exp in XLA.
 Rows with `seq_len == 0` return zeros.
 """
 from __future__ import annotations
@@ -23,8 +31,8 @@ from kernels_pallas import _common as c
 from kernels_pallas._common import MASK_VALUE
 from kernels_pallas.blocked import (KEY_BLOCK, block_scores, block_values, combine_blocks,
                                     key_blocks, softmax_blocks)
-from kernels_pallas._flash import (exact_flash_loop, head_dim_chunks, load_chunks,
-                                   paged_flash_loop, store_chunks)
+from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
+                                   store_chunks)
 
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200; on a GPU the device's own count is used
@@ -66,9 +74,11 @@ def num_sms_of_device() -> int:
 def plan_decode(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                 page_size: int, table_width: int, *, max_kv_len: int | None = None,
                 num_sms: int | None = None, pages_per_block: int | None = None,
-                num_splits: int | None = None) -> DecodePlan:
+                num_splits: int | None = None, exact: bool = True) -> DecodePlan:
     """Chooses the split count from batch, SM count and the longest real length.
 
+    exact=True (the kernels' default): one split, whatever the shape (the canonical order
+    chains every key block of a row left to right in one program); num_splits > 1 is refused.
     Splits only when B * Hkv programs fill less than PROGRAMS_PER_SM per SM, and never so far
     that a split of the longest row (max_kv_len, default table_width * page_size) holds fewer
     than `min_blocks_per_split` blocks, which keeps fp32 partial traffic under PARTIAL_BUDGET
@@ -93,6 +103,11 @@ def plan_decode(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
     # ~ 2 (K and V) * tokens * D * 2 (bf16): ratio 2 * group_rows / tokens.
     min_tokens = 2 * group_rows / PARTIAL_BUDGET
     min_blocks = max(1, math.ceil(min_tokens / block_k))
+    if exact:
+        if num_splits not in (None, 1):
+            raise ValueError(f"exact=True runs one split (the canonical order chains a row's "
+                             f"key blocks in one program), got num_splits={num_splits}")
+        num_splits = 1
     if num_splits is None:
         num_sms = num_sms or num_sms_of_device() or DEFAULT_NUM_SMS
         wanted = num_sms * PROGRAMS_PER_SM // (batch * num_kv_heads)  # <= one resident wave
@@ -112,7 +127,7 @@ def top_rows(x, n: int):
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_refs,
-                   plan: DecodePlan, sm_scale: float, chunks):
+                   plan: DecodePlan, sm_scale: float, chunks, exact: bool, interpret: bool):
     # q_ref [dot_rows, D]; k_ref/v_ref [L*P, page_size, D] (this program's kv head);
     # pages_ref int32 [table_blocks * pages_per_block] (this row's table); len_ref int32 [1];
     # offset_ref int32 [1] (layer * P). One split: out_refs = (o [group_rows, D] in q's dtype,).
@@ -130,12 +145,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_ref
     def visible(i, block_k):  # keys below this row's length
         return (i * block_k + jnp.arange(block_k) < seq_len)[None, :]
 
-    if plan.num_splits == 1:  # the canonical order: the references' bits (interpret mode)
-        o, l = exact_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
-                                offset_ref[0], first, last, pages_per_block=pages_per_block,
-                                sm_scale=sm_scale, mask=visible,
-                                key_valid=lambda i, bk: visible(i, bk)[0], chunks=chunks)
-        denom = jnp.where(l > 0, l, 1.0)[:, None]
+    if exact:  # one split: [first, last) = every block of the row
+        o, l = exact_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref, offset_ref[0],
+                          first, last, pages_per_block=pages_per_block, sm_scale=sm_scale,
+                          mask=visible, key_valid=lambda i, bk: visible(i, bk)[0],
+                          chunks=chunks, f32_scores=interpret)
+        denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
         store_chunks(out_refs[0], tuple(top_rows(x / denom, plan.group_rows) for x in o),
                      chunks)
         return
@@ -147,6 +162,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_ref
                                chunks=chunks)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
     o = tuple(top_rows(x * inv_l[:, None], plan.group_rows) for x in o)
+    if plan.num_splits == 1:
+        store_chunks(out_refs[0], o, chunks)
+        return
 
     @pl.when(split < splits)
     def _():
@@ -172,7 +190,7 @@ def merge_splits(o, lse):
 
 
 def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, plan, sm_scale,
-                   num_warps, num_stages, interpret):
+                   num_warps, num_stages, interpret, exact):
     # q [B, Hq, D]; k_pages/v_pages [L*P, Hkv, ps, D] (flattened pool); page_offset int32 scalar
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
@@ -184,7 +202,8 @@ def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, pl
     if rows != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     chunks = head_dim_chunks(head_dim)
-    kernel = functools.partial(_decode_kernel, plan=plan, sm_scale=sm_scale, chunks=chunks)
+    kernel = functools.partial(_decode_kernel, plan=plan, sm_scale=sm_scale, chunks=chunks,
+                               exact=exact, interpret=interpret)
     out_dim = (batch, num_kv_heads, group_rows, head_dim)
     if splits == 1:
         out_specs = [pl.BlockSpec((None, None, group_rows, head_dim),
@@ -278,11 +297,12 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "backend", "max_kv_len", "num_sms", "pages_per_block", "num_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "exact"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
                            shared_pages=None, sm_scale=None, backend="auto", max_kv_len=None,
                            num_sms=None,
-                           pages_per_block=None, num_splits=None, num_warps=4, num_stages=2):
+                           pages_per_block=None, num_splits=None, num_warps=4, num_stages=2,
+                           exact=True):
     """Attention of one query token per sequence over its pages.
 
     q [B, Hq, D]; k_pages, v_pages [P, Hkv, page_size, D] (page 0 is the null page), or a
@@ -295,6 +315,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     kernels read them through each row's table).
     Kernel planning (static, see `plan_decode`): max_kv_len, a bucketed upper bound of
     seq_lens (speed only, never correctness); num_sms (default: the GPU's, else 132).
+    exact (kernels only; the xla backend is always exact): True reduces in the canonical
+    order of `kernels_pallas.blocked`, one split per row; in interpret mode the result is
+    the xla backend's, bit for bit, for fp32 and bf16 pools with a power-of-two head_dim
+    (80 or 96 run as two chunks whose partial score dots are summed: another order) and
+    pages_per_block * page_size a multiple of 64 (the default). False: flash-decoding
+    (online softmax, num_splits from `plan_decode`), faster for few long rows.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
@@ -320,12 +346,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
     batch, num_q_heads, head_dim = q.shape
     *_, num_kv_heads, page_size, _ = k_pages.shape
-    interpret = backend == "interpret"
-    if interpret and num_splits is None:
-        num_splits = 1  # interpret mode checks the exact (single-split) order on CPU
     plan = plan_decode(batch, num_q_heads, num_kv_heads, head_dim, page_size,
                        page_table.shape[1], max_kv_len=max_kv_len, num_sms=num_sms,
-                       pages_per_block=pages_per_block, num_splits=num_splits)
+                       pages_per_block=pages_per_block, num_splits=num_splits, exact=exact)
+    interpret = backend == "interpret"
     if not interpret and plan.block_k < MIN_DOT_ROWS:
         raise ValueError(
             f"pages_per_block * page_size = {plan.block_k} must be >= 16 "
@@ -334,4 +358,4 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     v_flat, _ = c.flatten_pool(v_pages, layer)
     return _decode_pallas(q, k_flat, v_flat, page_offset, page_table, seq_lens, plan=plan,
                           sm_scale=scale, num_warps=num_warps, num_stages=num_stages,
-                          interpret=interpret)
+                          interpret=interpret, exact=exact)

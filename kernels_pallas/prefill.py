@@ -5,8 +5,14 @@ position kv_lens[b] - q_len[b] + j and sees every KV position <= its own, the ca
 pages included. The GPU kernel cuts each sequence into query tiles of `block_q` tokens; one
 program owns (tile, kv head) with the whole GQA group folded into its `block_rows` rows
 (block_q = block_rows // G, so a group of 5 wastes 3 of 128 rows, not 3 of 8), and walks KV
-pages only up to the tile's causal bound with an online softmax in fp32, masking only the
-blocks that cross the diagonal or the sequence end. Tiles run longest-first.
+pages only up to the tile's causal bound. Tiles run longest-first.
+
+exact=True (the default) reduces in the canonical order of `kernels_pallas.blocked`
+(`_flash.exact_loop`: a max pass, then per 16-key block a tree-summed exp and a K = 16 dot
+with V, chained left to right): in interpret mode the kernel returns
+`paged_prefill_reference`'s bits, which the trainer's dense forward reproduces. It reads K
+twice and runs fp32 p @ v. exact=False: one pass with an online softmax in fp32 (exp2, scale
+folded), masking only the blocks that cross the diagonal or the sequence end.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
-from kernels_pallas._flash import exact_flash_loop, head_dim_chunks, load_chunks, store_chunks
+from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
+                                   store_chunks)
 from kernels_pallas.blocked import blocked_attention
 
 
@@ -26,13 +33,21 @@ from kernels_pallas.blocked import blocked_attention
 # ptxas for sm_90 (benchmarks/results/kernel_resources-*.md): D=128 at 128 rows / 8 warps
 # needs 224 registers -> 1 program per SM; 64 rows / 4 warps: 233 -> 2 per SM, no spills.
 # D=256 spills at 64 keys per block (652-952 B); 64 rows / 8 warps / 32 keys: 222, none.
+# (exact=False; the exact kernel at 64 keys: benchmarks/results/kernel_resources-2026-12-03.md)
 PREFILL_ROWS = 64
 PREFILL_WARPS = {128: 4, 256: 8}  # head_dim up to the key -> warps
 PREFILL_BLOCK_K = {128: 64, 256: 32}
+# The exact kernel holds p and an fp32 p @ v: 4 warps spill at D=128 (255 registers, 52 B),
+# 8 warps do not (178). Interpret mode scores 64 keys per dot: XLA:CPU gives an element the
+# reference's bits only at multiples of 64 (on the GPU the block size does not change the
+# order, so D=256 keeps 32 keys: 64 spill 108 B).
+EXACT_WARPS = {64: 4, 128: 8, 256: 8}
+INTERPRET_BLOCK_K = 64
 
 
 def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale: float,
-                    page_size: int, pages_per_block: int, group: int, chunks):
+                    page_size: int, pages_per_block: int, group: int, chunks, exact: bool,
+                    interpret: bool):
     # q_ref [R, D] (row r is token r // group, head r % group; rows past block_q * group
     # are padding); k_ref/v_ref [L*P, page_size, D]; pages_ref int32 [W] (this tile's
     # sequence); info_ref int32 [4] = (first q position, kv_len, page offset of the layer, 0);
@@ -48,13 +63,26 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
         col_pos = i * block_k + jnp.arange(block_k)
         return (col_pos[None, :] <= row_pos[:, None]) & (col_pos < kv_len)[None, :]
 
-    o, l = exact_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
-                            info_ref[2], 0, pl.cdiv(kv_end, block_k),
-                            pages_per_block=pages_per_block, sm_scale=sm_scale, mask=visible,
-                            key_valid=lambda i, bk: i * bk + jnp.arange(bk) < kv_len,
-                            chunks=chunks)
-    denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
-    store_chunks(o_ref, tuple(x / denom for x in o), chunks)
+    def key_valid(i, block_k):
+        return i * block_k + jnp.arange(block_k) < kv_len
+
+    if exact:
+        o, l = exact_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref, info_ref[2], 0,
+                          pl.cdiv(kv_end, block_k), pages_per_block=pages_per_block,
+                          sm_scale=sm_scale, mask=visible, key_valid=key_valid, chunks=chunks,
+                          f32_scores=interpret)
+        denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
+        store_chunks(o_ref, tuple(x / denom for x in o), chunks)
+        return
+    full_blocks = jnp.minimum(q_pos0 + 1, kv_len) // block_k  # visible to every row
+    o, _, l = paged_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,
+                               info_ref[2], 0, full_blocks, pl.cdiv(kv_end, block_k),
+                               pages_per_block=pages_per_block, sm_scale=sm_scale,
+                               mask=visible,
+                               key_valid=key_valid,
+                               chunks=chunks)
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    store_chunks(o_ref, tuple(x * inv_l[:, None] for x in o), chunks)
 
 
 def _tile_plan(cu_q_lens, kv_lens, num_tokens: int, block_q: int):
@@ -106,7 +134,8 @@ def prefill_rows(num_tokens: int, group: int, rows: int | None = None) -> int:
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_lens, *,
-                    sm_scale, block_rows, pages_per_block, num_warps, num_stages, interpret):
+                    sm_scale, block_rows, pages_per_block, num_warps, num_stages, interpret,
+                    exact):
     # k_pages/v_pages [L*P, Hkv, ps, D] (flattened pool); page_offset int32 scalar
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
@@ -115,9 +144,11 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
     block_q = rows // group  # tokens per tile; rows past block_q * group are padding
     size_class = 128 if head_dim <= 128 else 256
     if num_warps is None:
-        num_warps = PREFILL_WARPS[size_class]
+        num_warps = (EXACT_WARPS[64 if head_dim <= 64 else size_class] if exact
+                     else PREFILL_WARPS[size_class])
     if pages_per_block is None:
-        pages_per_block = max(1, PREFILL_BLOCK_K[size_class] // page_size)
+        block_k = INTERPRET_BLOCK_K if interpret else PREFILL_BLOCK_K[size_class]
+        pages_per_block = max(1, block_k // page_size)
     if not c.is_power_of_2(pages_per_block):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")
     if not interpret and pages_per_block * page_size < 16:
@@ -142,7 +173,8 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
 
     kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, page_size=page_size,
                                pages_per_block=pages_per_block, group=group,
-                               chunks=head_dim_chunks(head_dim))
+                               chunks=head_dim_chunks(head_dim), exact=exact,
+                               interpret=interpret)
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_tiles),  # heads vary fastest: tiles start longest first
@@ -201,10 +233,12 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "backend", "block_rows", "pages_per_block", "num_warps", "num_stages"))
+    "sm_scale", "backend", "block_rows", "pages_per_block", "num_warps", "num_stages",
+    "exact"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,
                             layer=None, sm_scale=None, backend="auto", block_rows=None,
-                            pages_per_block=None, num_warps=None, num_stages=2):
+                            pages_per_block=None, num_warps=None, num_stages=2,
+                            exact=True):
     """Causal attention of packed new tokens over their sequences' pages.
 
     q [T, Hq, D] packed new tokens (T may exceed cu_q_lens[-1]; padded rows return zeros);
@@ -212,6 +246,11 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     an int32 scalar (may be traced); page_table int32 [B, W];
     cu_q_lens int32 [B + 1] offsets of each sequence's new tokens; kv_lens int32 [B] cached
     prefix + new tokens. Returns [T, Hq, D] in q's dtype with fp32 accumulation.
+    exact (kernels only; the xla backend is always exact): True reduces in the canonical
+    order of `kernels_pallas.blocked`; in interpret mode the result is the xla backend's,
+    bit for bit, for fp32 and bf16 with a power-of-two head_dim (80 or 96 run as two chunks
+    whose partial score dots are summed: another order) and pages_per_block * page_size a
+    multiple of 64 (the default). False: one pass with an online softmax (faster on GPU).
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
@@ -237,4 +276,4 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                            sm_scale=scale,
                            block_rows=block_rows, pages_per_block=pages_per_block,
                            num_warps=num_warps, num_stages=num_stages,
-                           interpret=backend == "interpret")
+                           interpret=backend == "interpret", exact=exact)

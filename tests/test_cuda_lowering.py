@@ -38,20 +38,23 @@ def test_prefill_lowers_to_triton_kernel(pages, tokens, width):
     assert "paged_prefill_attention" in text
 
 
-# batch 1: split decode (partials + XLA merge); batch 64: unsplit (one launch, direct output)
+# exact (default): one split, the canonical order. exact=False: batch 1 splits (partials +
+# XLA merge), batch 64 does not (one launch, direct output).
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("head_dim,batch", [(64, 1), (80, 1), (96, 64), (128, 1), (128, 64),
                                             (256, 64)])
-def test_every_head_size_lowers(head_dim, batch):
+def test_every_head_size_lowers(head_dim, batch, exact):
     q = jax.ShapeDtypeStruct((batch, HQ, head_dim), jnp.bfloat16)
     pool_d = jax.ShapeDtypeStruct((PAGES, HKV, PAGE, head_dim), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((batch, WIDTH), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     text = lower_for_cuda(
-        lambda *a: paged_decode_attention(*a, backend="pallas", num_sms=132),
+        lambda *a: paged_decode_attention(*a, backend="pallas", num_sms=132, exact=exact),
         q, pool_d, pool_d, table, lens)
     assert text.count("__gpu$xla.gpu.triton") == 1
     text = lower_for_cuda(
-        lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas"),
+        lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas",
+                                                          exact=exact),
         jax.ShapeDtypeStruct((512, HQ, head_dim), jnp.bfloat16), pool_d, pool_d, table,
         jax.ShapeDtypeStruct((batch + 1,), jnp.int32), lens)
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -81,12 +84,13 @@ def test_stacked_pool_lowers_with_traced_layer(pages):
     assert "paged_prefill_attention" in text
 
 
-def test_lowering_rejects_too_small_dot():
+@pytest.mark.parametrize("exact", [True, False])
+def test_lowering_rejects_too_small_dot(exact):
     """page 8 with one page per block would give tl.dot an N of 8: refused up front."""
     with pytest.raises(ValueError, match=">= 16"):
         lower_for_cuda(
             lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, backend="pallas",
-                                                         pages_per_block=1),
+                                                         pages_per_block=1, exact=exact),
             jax.ShapeDtypeStruct((B, HQ, D), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, HKV, 8, D), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, HKV, 8, D), jnp.bfloat16),

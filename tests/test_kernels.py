@@ -1,4 +1,5 @@
-"""Paged decode/prefill kernels (interpret mode and the xla path) vs a dense numpy attention."""
+"""Paged decode/prefill kernels (interpret mode and the xla path) vs a dense numpy attention,
+and the interpret-mode kernels vs the xla references bit for bit (exact numerics, issue 33)."""
 import itertools
 
 import jax
@@ -173,12 +174,25 @@ def test_prefill_sequence_without_new_tokens(backend):
         np.testing.assert_allclose(np.asarray(out[cu[b]:cu[b + 1]]), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("block_rows,pages_per_block", [(16, 1), (32, 2)])
-def test_prefill_interpret_many_tiles_per_sequence(block_rows, pages_per_block):
+@pytest.mark.parametrize("block_rows,pages_per_block,exact", [(16, 2, True), (32, 2, True),
+                                                              (16, 1, False)])
+def test_prefill_interpret_many_tiles_per_sequence(block_rows, pages_per_block, exact):
     """Small query tiles (4 and 8 tokens of a group of 4): several tiles per sequence, each
-    stopping at its causal bound, run longest first."""
+    stopping at its causal bound, run longest first (blocks of 16 keys, and 8 for the
+    online softmax)."""
     prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_rows=block_rows,
-                 pages_per_block=pages_per_block)
+                 pages_per_block=pages_per_block, exact=exact)
+
+
+def test_exact_order_needs_whole_key_blocks():
+    """The exact kernels chain 16-key blocks: a kernel block of 8 keys is refused."""
+    rng = np.random.default_rng(14)
+    k_pages, v_pages = random_pool(rng, 12, 2, 8, 64, jnp.float32)
+    table = jnp.asarray(random_page_table(rng, 2, 3, 12))
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    with pytest.raises(ValueError, match="exact order"):
+        paged_decode_attention(q, k_pages, v_pages, table, jnp.asarray([5, 20], jnp.int32),
+                               backend="interpret", pages_per_block=1)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -187,23 +201,30 @@ def test_prefill_bf16(backend):
 
 
 def test_decode_split_k_merge_matches_single_split():
-    """Many splits (most empty for short rows) give the same result as one split."""
+    """exact=False: many splits (most empty for short rows) give the same result as one."""
     rng = np.random.default_rng(3)
     k_pages, v_pages = random_pool(rng, 40, 2, 8, 64, jnp.float32)
     table = jnp.asarray(random_page_table(rng, 2, 16, 40))
     lens = jnp.asarray([3, 120], jnp.int32)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
     one = paged_decode_attention(q, k_pages, v_pages, table, lens, backend="interpret",
-                                 num_splits=1, pages_per_block=2)
+                                 num_splits=1, pages_per_block=2, exact=False)
     many = paged_decode_attention(q, k_pages, v_pages, table, lens, backend="interpret",
-                                  num_splits=8, pages_per_block=1)
+                                  num_splits=8, pages_per_block=1, exact=False)
     np.testing.assert_allclose(np.asarray(one), np.asarray(many), atol=2e-5, rtol=2e-5)
 
 
 class TestDecodePlan:
-    """Split planning (Llama-3-8B heads: Hq 32, Hkv 8, D 128; page 16, table of 256 pages)."""
+    """Split planning (Llama-3-8B heads: Hq 32, Hkv 8, D 128; page 16, table of 256 pages)
+    for exact=False; the exact order runs one split."""
     def plan(self, batch, max_kv_len, num_sms=132):
-        return plan_decode(batch, 32, 8, 128, 16, 256, max_kv_len=max_kv_len, num_sms=num_sms)
+        return plan_decode(batch, 32, 8, 128, 16, 256, max_kv_len=max_kv_len, num_sms=num_sms,
+                           exact=False)
+
+    def test_exact_runs_one_split(self):
+        assert plan_decode(1, 32, 8, 128, 16, 256, max_kv_len=16384).num_splits == 1
+        with pytest.raises(ValueError, match="one split"):
+            plan_decode(1, 32, 8, 128, 16, 256, num_splits=4)
 
     def test_full_batch_does_not_split(self):
         for length in (512, 4096):
@@ -226,7 +247,7 @@ class TestDecodePlan:
 
     def test_partials_hold_real_group_rows(self):
         assert self.plan(1, 4096).group_rows == 4  # group of 4: 4 rows, not 16
-        assert plan_decode(1, 28, 4, 128, 16, 256).group_rows == 8  # group of 7
+        assert plan_decode(1, 28, 4, 128, 16, 256, exact=False).group_rows == 8  # group of 7
 
     def test_more_sms_more_splits(self):
         assert self.plan(1, 16384, num_sms=132).num_splits > self.plan(1, 16384, num_sms=16).num_splits
@@ -236,7 +257,7 @@ class TestDecodePlan:
 def test_decode_exact_when_lengths_exceed_max_kv_len(backend):
     """max_kv_len only steers the split count: longer rows still attend to every key."""
     decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=12, max_kv_len=8, pages_per_block=1,
-                num_splits=3)
+                num_splits=3, exact=False)
 
 
 def test_write_kv_matches_numpy_and_drops_padding():
@@ -263,13 +284,15 @@ def test_write_kv_matches_numpy_and_drops_padding():
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_poisoned_free_slots_do_not_leak(backend):
-    """NaN/Inf in free pages, the null page and slots past each length leave outputs exact,
-    with one split and with several (idle splits included)."""
-    if backend == "xla":
-        decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
-    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True, num_splits=4,
-                pages_per_block=1)
+    """NaN/Inf in free pages, the null page and slots past each length leave outputs exact:
+    the exact order, and exact=False with several splits (idle splits included)."""
+    decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True)
     prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=10, poison=True)
+    if backend == "interpret":
+        decode_case(backend, 8, 8, 2, 64, jnp.float32, seed=10, poison=True, num_splits=4,
+                    pages_per_block=1, exact=False)
+        prefill_case(backend, 8, 8, 2, 64, jnp.float32, cached=True, seed=10, poison=True,
+                     exact=False)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -420,38 +443,85 @@ class TestBadInput:
             paged_decode_attention(self.q, self.k, self.k, self.table, self.lens, backend="tpu")
 
 
-EXACT_GRID = [(4, (3, 3), 32, jnp.float32), (8, (4, 2), 16, jnp.float32),
-              (16, (4, 1), 64, jnp.float32), (8, (8, 2), 64, jnp.bfloat16)]
+
+# Exact numerics: in interpret mode the kernels reduce in the canonical order of
+# kernels_pallas.blocked and return the xla references' bits (which the trainer's dense
+# forward reproduces, tests/test_exactness.py). Every page size x GQA group x head dim under
+# `make test-full` (JAXRL_FULL_SWEEP=1); `make test` runs each value of each axis once.
+EXACT_PAGES, EXACT_GROUPS, EXACT_DIMS = (4, 8, 16, 32), (1, 2, 3, 4), (16, 32, 64, 128)
+EXACT_QUICK = [(4, 1, 16), (8, 2, 32), (16, 3, 64), (32, 4, 128), (8, 4, 64)]
+EXACT_FULL = [pytest.param(*case, marks=() if case in EXACT_QUICK else pytest.mark.slow)
+              for case in itertools.product(EXACT_PAGES, EXACT_GROUPS, EXACT_DIMS)]
 
 
-@pytest.mark.parametrize("page_size,heads,head_dim,dtype", EXACT_GRID)
-def test_interpret_kernels_are_the_references_bit_for_bit(page_size, heads, head_dim, dtype):
-    """Exact numerics: in interpret mode the decode (one split) and prefill kernels reduce in
-    the canonical order of kernels_pallas.blocked, so they return the xla references' bits
-    (which the trainer's dense forward reproduces), shared prompt pages and cached prefixes
-    included."""
-    rng = np.random.default_rng(page_size + head_dim)
-    hq, hkv = heads
-    num_pages, batch, width = 48, 3, 12
-    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype)
-    table = jnp.asarray(random_page_table(rng, batch, width, num_pages))
-    lens = jnp.asarray([5, 3 * page_size + 1, width * page_size], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((batch, hq, head_dim)), dtype)
-    want = paged_decode_attention(q, k, v, table, lens, backend="xla")
-    got = paged_decode_attention(q, k, v, table, lens, backend="interpret")
+def assert_same_bits(got, want):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    shared = table[0, :2]  # a shared prompt: the first two pages of every row
-    rows = jnp.concatenate([jnp.broadcast_to(shared, (batch, 2)), table[:, 2:]], 1)
-    lens2 = jnp.maximum(lens, 2 * page_size + 1)
-    want = paged_decode_attention(q, k, v, rows[:, 2:], lens2, shared_pages=shared,
-                                  backend="xla")
-    got = paged_decode_attention(q, k, v, rows[:, 2:], lens2, shared_pages=shared,
-                                 backend="interpret")
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    cu = jnp.asarray([0, 5, 20, 30], jnp.int32)  # cached prefixes of 0, 15 and 86 tokens
-    kv_lens = jnp.asarray([5, 30, width * page_size], jnp.int32)
-    qp = jnp.asarray(rng.standard_normal((32, hq, head_dim)), dtype)
-    want = paged_prefill_attention(qp, k, v, table, cu, kv_lens, backend="xla")
-    got = paged_prefill_attention(qp, k, v, table, cu, kv_lens, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(got, np.float32)[:30],
-                                  np.asarray(want, np.float32)[:30])
+    assert not np.isnan(np.asarray(got, np.float32)).any()
+
+
+def exact_decode_case(page_size, group, head_dim, dtype, seed, layers=None):
+    """Ragged rows (one token, two pages and 3, past the first 64-key score block), a padded
+    row (length 0); free slots poisoned; then the same rows behind shared prompt pages (on a
+    16-key block edge or not, by page size)."""
+    rng = np.random.default_rng(seed)
+    hkv = 2
+    lens = [1, 2 * page_size + 3, 0, 75]
+    width = -(-75 // page_size) + 1
+    num_pages = len(lens) * width + 4
+    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
+    table = random_page_table(rng, len(lens), width, num_pages)
+    layer_args = {} if layers is None else {"layer": jnp.int32(layers - 1)}
+    if layers is None:
+        k, v, table = poison_unused(k, v, table, lens)
+    q = jnp.asarray(rng.standard_normal((len(lens), group * hkv, head_dim)), dtype)
+    args = (q, k, v, jnp.asarray(table), jnp.asarray(lens, jnp.int32))
+    want = paged_decode_attention(*args, backend="xla", **layer_args)
+    assert_same_bits(paged_decode_attention(*args, backend="interpret", **layer_args), want)
+    shared = max(1, 24 // page_size)  # 24 keys (pages of 4, 8: off a block edge), 16, 32
+    keys = shared * page_size
+    shared_lens = jnp.asarray([keys, keys + 1, 0, 75], jnp.int32)
+    common = jnp.asarray(table[3, :shared])
+    rest = jnp.asarray(np.where(table[:, shared:] == 0, table[3, shared:], table[:, shared:]))
+    args = (q, k, v, rest, shared_lens)
+    want = paged_decode_attention(*args, shared_pages=common, backend="xla", **layer_args)
+    assert_same_bits(paged_decode_attention(*args, shared_pages=common, backend="interpret",
+                                            **layer_args), want)
+
+
+def exact_prefill_case(page_size, group, head_dim, dtype, seed, layers=None):
+    """Cached prefixes (none, one page, a 16-key block edge, 70 tokens), new tokens ragged,
+    one, none, across several 64-key score blocks; padded T; free slots poisoned."""
+    rng = np.random.default_rng(seed)
+    hkv = 2
+    q_lens, cached = [page_size + 3, 1, 0, 2 * page_size + 5], [0, page_size, 16, 70]
+    kv_lens = [c + n for c, n in zip(cached, q_lens)]
+    width = max(-(-n // page_size) for n in kv_lens) + 1
+    num_pages = len(q_lens) * width + 4
+    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
+    table = random_page_table(rng, len(q_lens), width, num_pages)
+    layer_args = {} if layers is None else {"layer": jnp.int32(layers - 1)}
+    if layers is None:
+        k, v, table = poison_unused(k, v, table, kv_lens)
+    q = jnp.asarray(rng.standard_normal((sum(q_lens) + 5, group * hkv, head_dim)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = (q, k, v, jnp.asarray(table), cu, jnp.asarray(kv_lens, jnp.int32))
+    want = paged_prefill_attention(*args, backend="xla", **layer_args)
+    assert_same_bits(paged_prefill_attention(*args, backend="interpret", **layer_args), want)
+
+
+@pytest.mark.parametrize("page_size,group,head_dim", EXACT_FULL)
+def test_interpret_decode_is_the_reference_bit_for_bit(page_size, group, head_dim):
+    exact_decode_case(page_size, group, head_dim, jnp.float32, seed=page_size + head_dim)
+
+
+@pytest.mark.parametrize("page_size,group,head_dim", EXACT_FULL)
+def test_interpret_prefill_is_the_reference_bit_for_bit(page_size, group, head_dim):
+    exact_prefill_case(page_size, group, head_dim, jnp.float32, seed=page_size + group)
+
+
+def test_interpret_kernels_bit_for_bit_bf16_and_stacked_pool():
+    """bf16 pools (computed in fp32 as the references do) and a stacked pool with a layer."""
+    exact_decode_case(16, 2, 64, jnp.bfloat16, seed=20)
+    exact_prefill_case(8, 4, 32, jnp.bfloat16, seed=21)
+    exact_decode_case(8, 3, 32, jnp.float32, seed=22, layers=2)
+    exact_prefill_case(16, 1, 64, jnp.float32, seed=23, layers=2)
