@@ -3,14 +3,20 @@
   python -m benchmarks.gpu_check --out benchmarks/results      # on a GPU (about 3-5 min)
   python -m benchmarks.gpu_check --smoke --out /tmp/smoke      # CPU dry run, tiny shapes
 
-(1) correctness of the compiled `pallas` kernels against the `xla` reference;
+(1) correctness of the compiled `pallas` kernels against the `xla` reference (the exact
+    kernels, which also count the elements whose bits differ, and exact=False with planned
+    and forced splits);
 (2) decode at Llama-3-8B heads (Hq=32, Hkv=8, D=128), bf16, page 16, B in {1, 8, 32, 64} x
     L in {512, 4k, 16k}: GB/s of K/V moved, the fraction of the device's measured copy
-    bandwidth, the roofline model's prediction (benchmarks/roofline.py) and the speed ratio
-    against jax.experimental.pallas.ops.gpu.paged_attention at the same shape;
-(3) causal prefill of 4k tokens at the default and alternative program shapes: TFLOP/s;
+    bandwidth, the roofline model's prediction (benchmarks/roofline.py), the speed ratio
+    against jax.experimental.pallas.ops.gpu.paged_attention at the same shape, and the
+    time of exact=False (flash-decoding) beside the exact kernel's (the cost of exactness);
+(3) causal prefill of 4k tokens, exact and exact=False, at the default and alternative
+    program shapes: TFLOP/s;
 (4) exactness: an engine's recorded log-probs (kernels, and the xla path) against the
-    trainer's teacher-forced ones, bit for bit (exact on CPU; this answers it for the GPU).
+    trainer's teacher-forced ones (jaxrl_cache.rl.logprobs.next_token_log_probs, the dense
+    forward), bit for bit: the number of log-probs whose bits differ and the max |diff|
+    (exact on CPU; this answers it for the GPU; never fails the script).
 Writes gpu_check.json and gpu_check.txt into --out.
 """
 from __future__ import annotations
@@ -61,6 +67,11 @@ def _err(got, want) -> float:
     return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
 
 
+def _bits_differ(got, want) -> int:
+    """Elements of got whose value is not want's (NaN counts as differing)."""
+    return int(np.sum(np.asarray(got, np.float32) != np.asarray(want, np.float32)))
+
+
 def check_correctness(backend, smoke, report):
     """Compiled kernels vs the xla reference: head sizes 64/80/96/128/256, stacked pools with
     a layer index, forced and planned splits, NaN/Inf in every slot no row may read."""
@@ -92,9 +103,11 @@ def check_correctness(backend, smoke, report):
         layer = jnp.int32(1)
         q = jax.random.normal(jax.random.key(2), (b, hq, d), dtype)
         want = paged_decode_attention(q, k, v, table, lens, layer=layer, backend="xla")
-        errs = [_err(paged_decode_attention(q, k, v, table, lens, layer=layer, backend=backend,
-                                            num_splits=splits), want)
-                for splits in (None, 1, 3)]
+        exact = paged_decode_attention(q, k, v, table, lens, layer=layer, backend=backend)
+        errs = [_err(exact, want)] + [
+            _err(paged_decode_attention(q, k, v, table, lens, layer=layer, backend=backend,
+                                        num_splits=splits, exact=False), want)
+            for splits in (None, 1, 3)]
         q_lens = rng.integers(1, width * ps // 2, b)
         kv_lens = jnp.asarray(np.minimum(q_lens + rng.integers(0, width * ps // 2, b),
                                          np.asarray(lens)), jnp.int32)  # unpoisoned keys
@@ -106,11 +119,19 @@ def check_correctness(backend, smoke, report):
         want_p = paged_prefill_attention(qp, k, v, table, cu, kv_lens, layer=layer,
                                          backend="xla")
         err_p = _err(got_p, want_p)
+        fast_p = paged_prefill_attention(qp, k, v, table, cu, kv_lens, layer=layer,
+                                         backend=backend, exact=False)
         tol = 3e-2 if dtype == jnp.bfloat16 else 2e-3  # tf32 dots on GPU for fp32
-        ok = all(e < tol for e in errs + [err_p]) and not bool(jnp.isnan(want).any())
+        ok = all(e < tol for e in errs + [err_p, _err(fast_p, want_p)]) and not bool(
+            jnp.isnan(want).any())
+        real = int(q_lens.sum())  # packed rows past it are padding
         report["correctness"].append(dict(
             shape=f"B={b} Hq={hq} Hkv={hkv} D={d} page={ps} {jnp.dtype(dtype).name}",
-            decode_max_err=max(errs), prefill_max_err=err_p, ok=bool(ok)))
+            decode_max_err=max(errs), prefill_max_err=err_p, ok=bool(ok),
+            # the exact kernels against the references, element bits (0 in interpret mode)
+            decode_bits_differ=_bits_differ(exact, want), decode_elements=int(want.size),
+            prefill_bits_differ=_bits_differ(got_p[:real], want_p[:real]),
+            prefill_elements=int(want_p[:real].size)))
 
 
 def bench_decode(backend, smoke, report, copy_bw):
@@ -133,10 +154,14 @@ def bench_decode(backend, smoke, report, copy_bw):
         ours = jax.jit(functools.partial(paged_decode_attention, backend=backend,
                                          max_kv_len=length))
         t_ours = timed(ours, q, k, v, table, lens)
+        fast = jax.jit(functools.partial(paged_decode_attention, backend=backend,
+                                         max_kv_len=length, exact=False))
+        t_fast = timed(fast, q, k, v, table, lens)
         moved = 2 * b * length * hkv * d * 2  # K and V, bf16
         predicted = predict(work_after(b, hq, hkv, d, length, page_size=ps,
                                        width=pages_per_seq, dev=dev), dev)
-        row = dict(B=b, L=length, page=ps, ours_ms=t_ours * 1e3, GBps=moved / t_ours / 1e9,
+        row = dict(B=b, L=length, page=ps, ours_ms=t_ours * 1e3, fast_ms=t_fast * 1e3,
+                   exact_cost=t_ours / t_fast, GBps=moved / t_ours / 1e9,
                    copy_fraction=moved / t_ours / copy_bw,
                    predicted_us=predicted["time_us"],
                    predicted_fraction=predicted["hbm_fraction"])
@@ -164,14 +189,16 @@ def bench_prefill(backend, smoke, report):
     cu = jnp.asarray([0, tokens], jnp.int32)
     kv_lens = jnp.asarray([tokens], jnp.int32)
     q = jax.random.normal(jax.random.key(1), (tokens, hq, d), jnp.bfloat16)
-    variants = [(None, None)] if smoke else [(None, None), (128, 8), (64, 8), (128, 4)]
-    for rows, warps in variants:
+    variants = [(None, None, True), (None, None, False)]
+    if not smoke:
+        variants += [(128, 8, True), (64, 4, True), (128, 8, False)]
+    for rows, warps, exact in variants:
         fn = jax.jit(functools.partial(paged_prefill_attention, backend=backend,
-                                       block_rows=rows, num_warps=warps))
+                                       block_rows=rows, num_warps=warps, exact=exact))
         t = timed(fn, q, k, v, table, cu, kv_lens, iters=10)
-        flops = 4 * hq * d * tokens * (tokens + 1) / 2
-        row = dict(tokens=tokens, block_rows=rows or "default", num_warps=warps or "default",
-                   ms=t * 1e3, TFLOPs=flops / t / 1e12)
+        flops = 4 * hq * d * tokens * (tokens + 1) / 2  # QK^T and PV (exact computes QK^T twice)
+        row = dict(tokens=tokens, exact=exact, block_rows=rows or "default",
+                   num_warps=warps or "default", ms=t * 1e3, TFLOPs=flops / t / 1e12)
         report["prefill"].append(row)
         print("prefill", row, flush=True)
 
@@ -184,6 +211,7 @@ def check_exactness(backend, smoke, report):
     from jaxrl_cache.models import ModelConfig, init_params
     from jaxrl_cache.rl.logprobs import next_token_log_probs
     from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+    from jaxrl_cache.shapes import bucket
     config = ModelConfig.tiny(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2,
                               head_dim=64, d_ff=512, max_seq_len=512)
     params = init_params(config, jax.random.key(0))
@@ -201,7 +229,8 @@ def check_exactness(backend, smoke, report):
             tokens = diffs = mismatched = 0
             for batch in batches:
                 longest = max(len(s.prompt_ids) + len(s.output_ids) for s in batch.samples)
-                rows = np.zeros((len(batch.samples), -(-longest // 64) * 64), np.int32)
+                # as the audit (rl/audit.py) builds them: rows and length bucketed
+                rows = np.zeros((bucket(len(batch.samples), 64), bucket(longest, 64)), np.int32)
                 for i, s in enumerate(batch.samples):
                     rows[i, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
                 logp = np.asarray(next_token_log_probs(params, config, rows, sampling))
@@ -245,22 +274,28 @@ def main():
              f"{backend}); copy bandwidth {report['copy_GBps']:.0f} GB/s", "",
              "correctness (max abs err vs xla reference):"]
     lines += [f"  {c['shape']}: decode {c['decode_max_err']:.2e}, prefill "
-              f"{c['prefill_max_err']:.2e} {'ok' if c['ok'] else 'FAIL'}"
+              f"{c['prefill_max_err']:.2e} {'ok' if c['ok'] else 'FAIL'}; exact kernels' bits "
+              f"differ in {c['decode_bits_differ']}/{c['decode_elements']} decode, "
+              f"{c['prefill_bits_differ']}/{c['prefill_elements']} prefill elements"
               for c in report["correctness"]]
     lines += ["", "exactness (engine log-probs vs the trainer's, bit for bit):"]
     lines += [f"  engine {r['engine_backend']}: " + (r["error"] if "error" in r else
               f"{r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
               f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'})")
               for r in report["exactness"]]
-    lines += ["", "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"]
+    lines += ["", "decode (ours = exact; fast = exact=False, flash-decoding)",
+              "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"
+              "  fast ms  ours/fast"]
     for r in report["decode"]:
         lines.append(f"      {r['B']:3d} {r['L']:6d} {r['ours_ms']:9.3f} {r['GBps']:7.0f} "
                      f"{100 * r['copy_fraction']:5.1f} {r['predicted_us']:9.1f} "
                      f"{100 * r['predicted_fraction']:6.1f} {r.get('jax_ms', float('nan')):8.3f} "
-                     f"{r.get('speedup_vs_jax', float('nan')):8.2f}")
-    lines += ["", "prefill tokens    rows   warps      ms  TFLOP/s"]
-    lines += [f"        {r['tokens']:6d} {r['block_rows']!s:>7} {r['num_warps']!s:>7} "
-              f"{r['ms']:7.3f} {r['TFLOPs']:8.1f}" for r in report["prefill"]]
+                     f"{r.get('speedup_vs_jax', float('nan')):8.2f} {r['fast_ms']:8.3f} "
+                     f"{r['exact_cost']:9.2f}")
+    lines += ["", "prefill tokens  exact    rows   warps      ms  TFLOP/s"]
+    lines += [f"        {r['tokens']:6d} {r['exact']!s:>6} {r['block_rows']!s:>7} "
+              f"{r['num_warps']!s:>7} {r['ms']:7.3f} {r['TFLOPs']:8.1f}"
+              for r in report["prefill"]]
     (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
