@@ -461,21 +461,22 @@ def test_a_base_exception_or_a_missing_method_ends_only_its_episode(raised):
 
 
 HUNG_SCRIPT = """
-import threading, time, jax
+import threading, jax
 from jaxrl_cache import CacheConfig, RolloutEngine, SamplingParams
-from jaxrl_cache.rollout.env import EnvStep
 from tests.helpers import CONFIG, varied_params
 
 class Hung:
     def __init__(self, task):
         self.task = task
     def reset(self):
+        if self.task == (4, 5):
+            threading.Event().wait()  # never returns
         return list(self.task)
     def step(self, action):
         threading.Event().wait()  # never returns
 
 engine = RolloutEngine(CONFIG, CacheConfig(num_pages=64, page_size=4))
-batch = engine.rollout_episodes(varied_params(0), 0, [(1, 2, 3)], Hung,
+batch = engine.rollout_episodes(varied_params(0), 0, [(1, 2, 3), (4, 5)], Hung,
                                 SamplingParams(n=2, max_new_tokens=3, temperature=0.0),
                                 rng=jax.random.key(0), env_timeout=0.3)
 print("returned", [e.finish_reason for e in batch.episodes], flush=True)
@@ -483,18 +484,121 @@ print("returned", [e.finish_reason for e in batch.episodes], flush=True)
 
 
 def test_a_hung_environment_never_holds_the_process():
-    """env_timeout ends the episode and the call returns; the thread stuck in the
-    environment is a daemon, so the script then exits (it used to hang at interpreter exit
-    joining the environment pool: issue 32, defect 1)."""
+    """env_timeout ends the episodes whose reset or step never returns and the call
+    returns; the threads parked in the environment are daemons, so the script then exits at
+    once (it used to hang at interpreter exit joining the environment pool: issue 32,
+    defect 1)."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get(
         "PYTHONPATH")])))
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", HUNG_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "returned ['error', 'error']" in done.stdout
-    assert time.perf_counter() - start < 200
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_SCRIPT], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(240, proc.kill)  # a call that never returns fails, too
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()  # the call returned (after import and compile)
+        assert line.strip() == "returned ['error', 'error', 'error', 'error']", \
+            line + proc.stderr.read()[-2000:]
+        assert proc.wait(timeout=30) == 0  # then the interpreter exits: nothing joins
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_real_ctrl_c_stops_the_call_while_environments_think():
+    """A real SIGINT (to the process) while every environment is busy stops the call with
+    KeyboardInterrupt, even without env_timeout; the engine is clean and runs again."""
+    import os
+    import signal
+    release, started = threading.Event(), threading.Event()
+
+    class Slow(TokenEnv):
+        def step(self, action):
+            started.set()
+            release.wait(30)
+            return super().step(action)
+
+    engine = make_engine()
+    timer = threading.Thread(target=lambda: started.wait(30) and (
+        time.sleep(0.1), os.kill(os.getpid(), signal.SIGINT)))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.rollout_episodes(PARAMS[0], 0, TASKS, Slow, GREEDY, rng=jax.random.key(0))
+    finally:
+        release.set()
+        timer.join()
+    assert_clean(engine)
+    again = engine.rollout_episodes(PARAMS[0], 0, TASKS, TokenEnv, GREEDY,
+                                    rng=jax.random.key(0))
+    assert [e.finish_reason for e in again.episodes] == ["done"] * 4
+
+
+class _Raising:
+    """An object whose every use raises `error` (environment code on whatever thread
+    touches it)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __len__(self):
+        raise self.error("from the observation")
+
+    def __iter__(self):
+        raise self.error("from the observation")
+
+    def __bool__(self):
+        raise self.error("from the observation")
+
+
+@pytest.mark.parametrize("where", ["observation", "done", "reward"])
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_what_an_environment_returns_is_its_code_too(where, raised):
+    """An EnvStep whose observation, done flag or reward runs code that raises a
+    BaseException (a lazy sequence, an object's __bool__): only that episode ends, with the
+    reason; the engine's thread never runs environment code, so it never mistakes this for
+    a real Ctrl-C (issue 32, defect 5)."""
+    class Sneaky(TokenEnv):
+        def step(self, action):
+            if self.task != TASKS[1]:
+                return super().step(action)
+            bad = _Raising(raised)
+            return {"observation": EnvStep(bad, 1.0, False), "done": EnvStep([3], 1.0, bad),
+                    "reward": EnvStep([3], _Real(raised), False)}[where]
+
+    batch = make_engine().rollout_episodes(PARAMS[0], 0, TASKS, Sneaky, GREEDY,
+                                           rng=jax.random.key(0))
+    ok, bad = batch.episodes[:2], batch.episodes[2:]
+    assert all(e.finish_reason == "done" and len(e.turns) == 3 for e in ok)
+    assert all(e.finish_reason == "error" and e.error.startswith(raised.__name__) and
+               len(e.turns) == 1 for e in bad), [e.error for e in bad]
+
+
+class _Real(float):
+    """A numbers.Real whose conversion to float raises."""
+
+    def __new__(cls, error):
+        self = super().__new__(cls, 1.0)
+        self.error = error
+        return self
+
+    def __float__(self):
+        raise self.error("from the reward")
+
+
+def test_a_huge_integer_reward_ends_only_its_episode():
+    """reward=10**400 (past the float range) is an invalid answer: its episode ends with a
+    ValueError naming the reward (issue 32, defect 7)."""
+    class Huge(TokenEnv):
+        def step(self, action):
+            return EnvStep(None, 10**400 if self.task == TASKS[1] else 1.0, True)
+
+    batch = make_engine().rollout_episodes(PARAMS[0], 0, TASKS, Huge, GREEDY,
+                                           rng=jax.random.key(0))
+    assert [e.finish_reason for e in batch.episodes] == ["done", "done", "error", "error"]
+    assert all("reward must be finite" in e.error and "401 digits" in e.error
+               for e in batch.episodes[2:])

@@ -24,9 +24,12 @@ returns; worker threads are daemons (`EnvThreads`), so a call that never returns
 holds the process at exit: a hung environment costs one parked thread, nothing more.
 
 A fault in environment code ends only its episode ("error", with the exception's type and
-message): a missing method, any exception, and BaseExceptions raised by it (SystemExit from
-a tool, a KeyboardInterrupt raised by the code itself: worker threads never receive
-signals, so a real Ctrl-C reaches the engine's thread and stops the call).
+message): a missing method, any exception, an invalid answer, and BaseExceptions raised by
+it (SystemExit from a tool, a KeyboardInterrupt raised by the code itself). Environment
+code runs only on worker threads: the factory, reset and step, and everything done with
+what they return (the EnvStep's fields read, observations iterated and tokenized), so the
+engine's thread receives token ids and floats only. Worker threads never receive signals,
+so a KeyboardInterrupt on the engine's thread is a real Ctrl-C, and it stops the call.
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ class EnvThreads:
 
     def __init__(self, workers: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
+        self._closed, self._workers = False, workers
         for i in range(workers):
             threading.Thread(target=self._work, name=f"env-{i}", daemon=True).start()
 
@@ -108,7 +111,7 @@ class EnvThreads:
                 self._jobs.get_nowait()
             except queue.Empty:
                 break
-        for _ in range(64):
+        for _ in range(self._workers):  # one stop mark per thread: idle ones end now
             self._jobs.put(None)
 
 
@@ -148,7 +151,7 @@ class Driver:
         self.pending = 0
         self._tickets = [0] * len(self.states)
         for e in range(len(self.states)):
-            self._submit(e, self._reset, self.states[e].task)
+            self._submit(e, self._reset, e, self.states[e].task)
 
     # ------------------------------------------------------------ worker threads
     def _submit(self, e: int, fn, *args) -> None:
@@ -174,9 +177,45 @@ class Driver:
                 st.error = (f"TimeoutError: the environment's {what} took more than "
                             f"{self.timeout:g} s (env_timeout)")
 
-    def _reset(self, task):
+    def _reset(self, e: int, task) -> tuple:
+        """Worker thread: (episode e's environment, its first observation's ids)."""
         env = self.env_factory(task)
-        return env, env.reset()
+        observation = env.reset()
+        if text.is_messages(observation):
+            if self.tokenizer is None:
+                raise TypeError("the first observation is chat messages: the engine needs "
+                                "a tokenizer")
+            ids = text.render_chat(self.tokenizer, e, observation)
+        else:
+            ids = self._encode(observation, first=True)
+        if not ids:
+            raise ValueError("the first observation is empty")
+        return env, tuple(ids)
+
+    def _step(self, env, turn_text) -> tuple:
+        """Worker thread: env.step's answer as (observation ids or None when the episode
+        ends, reward, done)."""
+        answer = env.step(turn_text)
+        if not isinstance(answer, EnvStep):
+            raise TypeError(f"step() must return an EnvStep, got {type(answer).__name__}")
+        reward = _reward(answer.reward)
+        done = bool(answer.done) or answer.observation is None
+        return None if done else self._encode(answer.observation, first=False), reward, done
+
+    def _encode(self, observation, *, first: bool) -> list[int]:
+        """Worker thread: a text or token-id observation as checked token ids."""
+        if isinstance(observation, str):
+            if self.tokenizer is None:
+                raise TypeError("a text observation needs an engine with a tokenizer")
+            return self.tokenizer.encode(str(observation), add_special_tokens=first)
+        if isinstance(observation, (bytes, dict)) or not hasattr(observation, "__len__"):
+            raise TypeError(f"an observation must be text or token ids, got "
+                            f"{type(observation).__name__}")
+        items = list(observation)
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)
+               for t in items) or any(not 0 <= t < self.vocab for t in items):
+            raise ValueError(f"observation token ids must be integers in [0, {self.vocab})")
+        return [int(t) for t in items]
 
     # ------------------------------------------------------------ host thread
     def wait(self) -> None:
@@ -210,48 +249,27 @@ class Driver:
             if isinstance(answer, _Fault):
                 st.finish_reason, st.error = "error", str(answer)
                 continue
-            try:
-                value, seconds = answer
-                self.env_seconds += seconds
-                request = self._first(e, st, value) if st.env is None else \
-                    self._next(e, st, value)
-            except KeyboardInterrupt:  # on this (the engine's) thread it may be a real Ctrl-C
-                raise
-            except BaseException as exc:  # the environment's (or its observation's) fault
-                st.finish_reason, st.error = "error", str(_Fault(type(exc).__name__, str(exc)))
-                continue
+            value, seconds = answer
+            self.env_seconds += seconds
+            request = self._first(e, st, *value) if st.env is None else \
+                self._next(e, st, *value)
             if request is not None:
                 out.append(request)
 
-    def _first(self, e: int, st: _State, value) -> scheduler.Request | None:
-        st.env, observation = value
-        if text.is_messages(observation):
-            if self.tokenizer is None:
-                raise TypeError("the first observation is chat messages: the engine needs "
-                                "a tokenizer")
-            ids = text.render_chat(self.tokenizer, e, observation)
-        else:
-            ids = self._encode(observation, first=True)
-        if not ids:
-            raise ValueError("the first observation is empty")
-        st.prompt, st.history = tuple(ids), list(ids)
+    def _first(self, e: int, st: _State, env, ids: tuple) -> scheduler.Request | None:
+        st.env, st.prompt, st.history = env, ids, list(ids)
         return self._request(e, st)
 
-    def _next(self, e: int, st: _State, value) -> scheduler.Request | None:
+    def _next(self, e: int, st: _State, ids: list | None, reward: float, done: bool
+              ) -> scheduler.Request | None:
         self.env_steps += 1
-        if not isinstance(value, EnvStep):
-            raise TypeError(f"step() must return an EnvStep, got {type(value).__name__}")
-        if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or \
-                not math.isfinite(value.reward):
-            raise ValueError(f"reward must be a finite number, got {value.reward!r:.80}")
-        st.rewards.append(float(value.reward))
-        if value.done or value.observation is None:
+        st.rewards.append(reward)
+        if done:
             st.finish_reason = "done"
             return None
         if len(st.turns) >= self.max_turns:
             st.finish_reason = "max_turns"
             return None
-        ids = self._encode(value.observation, first=False)
         if len(st.history) + len(ids) + 1 > self.max_tokens:
             st.finish_reason = "token_budget"
             return None
@@ -263,20 +281,6 @@ class Driver:
         st.versions += [version] * len(ids)
         st.mixed += [False] * len(ids)
         return self._request(e, st)
-
-    def _encode(self, observation, *, first: bool) -> list[int]:
-        if isinstance(observation, str):
-            if self.tokenizer is None:
-                raise TypeError("a text observation needs an engine with a tokenizer")
-            return self.tokenizer.encode(observation, add_special_tokens=first)
-        if isinstance(observation, (bytes, dict)) or not hasattr(observation, "__len__"):
-            raise TypeError(f"an observation must be text or token ids, got "
-                            f"{type(observation).__name__}")
-        ids = [int(t) for t in observation]
-        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)
-               for t in observation) or any(not 0 <= t < self.vocab for t in ids):
-            raise ValueError(f"observation token ids must be integers in [0, {self.vocab})")
-        return ids
 
     def _request(self, e: int, st: _State) -> scheduler.Request | None:
         room = self.max_tokens - len(st.history)
@@ -310,7 +314,7 @@ class Driver:
         st.cached += row.cached_tokens
         st.seen = len(st.history)
         st.kv_version = next(iter(row.kv_now)) if len(row.kv_now) == 1 else None
-        self._submit(row.group, _step, st.env, turn_text)  # env.step looked up there too
+        self._submit(row.group, self._step, st.env, turn_text)
 
     def close(self) -> None:
         """Lets worker threads finish on their own; queued environment calls are dropped."""
@@ -365,8 +369,12 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
                                       timeout=env_timeout)
 
 
-def _step(env, turn_text):
-    return env.step(turn_text)
+def _reward(value) -> float:
+    """An EnvStep's reward as a finite float (a Fraction or another numbers.Real too)."""
+    if isinstance(value, numbers.Real) and not isinstance(
+            value, (bool, int, float, np.integer, np.floating)):
+        value = float(value)
+    return as_real(value, "reward")
 
 
 def _timed(fn, *args):
