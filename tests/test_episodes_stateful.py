@@ -2,9 +2,9 @@
 environments) with weight syncs landing between calls, between turns and inside turns
 (forced at drawn step boundaries), and calls that fail midway.
 
-Environments fail by raising, by SystemExit or KeyboardInterrupt from their own code, or by
-hanging past env_timeout; released weights are re-synced with other params (refused) or
-replaced when nothing of their version is cached.
+Environments fail (in reset or a step) by raising, by SystemExit or KeyboardInterrupt from
+their own code, or by hanging past env_timeout; released weights are re-synced or rolled out
+with other params (refused) or replaced when nothing of their version is cached.
 
 After every call: no page leak, no entry outside the lag window, versions never go
 backwards (engine, and each episode's sampled tokens), an environment fault ends only its
@@ -49,18 +49,23 @@ class Env:
         self.steps = 0
 
     def reset(self):
+        if self.fail_on == 0:
+            self._fail()
         return list(self.task)
 
     def step(self, action):
         time.sleep(self.delay)
         self.steps += 1
         if self.steps == self.fail_on:
-            if self.mode == "hang":
-                threading.Event().wait(8 * ENV_TIMEOUT)  # long past the timeout
-            else:
-                raise FAULTS[self.mode]("env fault")
+            self._fail()
         done = self.steps >= self.turns
         return EnvStep(None if done else [1 + sum(action) % 40, 2], 1.0, done)
+
+    def _fail(self):
+        if self.mode == "hang":
+            threading.Event().wait(8 * ENV_TIMEOUT)  # long past the timeout
+        else:
+            raise FAULTS[self.mode]("env fault")
 
 
 class EpisodeMachine(RuleBasedStateMachine):
@@ -82,7 +87,7 @@ class EpisodeMachine(RuleBasedStateMachine):
         self.acked.append(version)
 
     @rule(specs=st.lists(st.tuples(st.sampled_from(range(len(TASKS))), st.integers(1, 3),
-                                   st.sampled_from([0.0, 0.02]), st.sampled_from([None, 1, 2]),
+                                   st.sampled_from([0.0, 0.02]), st.sampled_from([None, 0, 1, 2]),
                                    st.sampled_from(["raise", "exit", "interrupt", "hang"])),
                          min_size=1, max_size=2),
           updates=st.lists(st.booleans(), max_size=6))
@@ -103,6 +108,8 @@ class EpisodeMachine(RuleBasedStateMachine):
                 reason = "TimeoutError" if mode == "hang" else FAULTS[mode].__name__
                 assert e.finish_reason == "error" and e.error.startswith(reason), e.error
                 assert len(e.turns) == fail
+                if not fail:  # the reset failed: nothing sampled
+                    continue
             else:
                 assert e.finish_reason == "done" and len(e.turns) == turns
             sampled = e.token_versions[e.loss_mask].tolist()
@@ -133,6 +140,9 @@ class EpisodeMachine(RuleBasedStateMachine):
         other = varied_params(100 + version)
         with pytest.raises(VersionError, match="already synced with different params"):
             self.engine.sync_weights(other, version)
+        with pytest.raises(VersionError, match="already synced with different params"):
+            self.engine.rollout_episodes(other, version, [(TASKS[0], 1, 0.0, None, "raise")],
+                                         Env, SP, rng=jax.random.key(0))
         cached = self.engine._cache_key(version) in self.engine.cache.versions()
         if cached:
             with pytest.raises(VersionError, match="holds KV"):
@@ -160,7 +170,7 @@ class EpisodeMachine(RuleBasedStateMachine):
         core.decode_chunk = decode
         try:
             self.engine.rollout_episodes(self.params[version], version,
-                                         [(TASKS[0], 3, 0.0, None)], Env, SP,
+                                         [(TASKS[0], 3, 0.0, None, "raise")], Env, SP,
                                          rng=jax.random.key(self.key))
         except RuntimeError as e:
             assert "injected" in str(e)
