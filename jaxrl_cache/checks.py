@@ -42,7 +42,7 @@ def as_real(value, name: str, *, minimum: float | None = None, maximum: float | 
         value = float(value)
     except OverflowError:  # an int past the float range (10**400): not finite either
         value = math.inf if value > 0 else -math.inf
-        given = f"an integer of {len(str(abs(given)))} digits"
+        given = f"an integer of {abs(given).bit_length()} bits"  # str() stops at 4300 digits
     low_bad = minimum is not None and (value <= minimum if open_min else value < minimum)
     if not math.isfinite(value) or low_bad or (maximum is not None and value > maximum):
         low = "" if minimum is None else f"{'>' if open_min else '>='} {minimum}"

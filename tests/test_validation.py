@@ -368,10 +368,30 @@ def test_a_huge_integer_for_a_real_is_a_value_error(huge):
     one-line ValueError (issue 32, defect 7)."""
     from jaxrl_cache.checks import as_real
     from jaxrl_cache.rl.audit import audit_attribution
-    with pytest.raises(ValueError, match="must be finite.*integer of 401 digits"):
+    with pytest.raises(ValueError, match="must be finite.*integer of 1329 bits"):
         as_real(huge, "audit_tolerance", minimum=0.0)
     with pytest.raises(ValueError, match="temperature must be finite"):
         SamplingParams(temperature=huge)
     with pytest.raises(ValueError, match="tolerance must be finite"):
         audit_attribution(RolloutBatch([], 0, SamplingParams(), 0, 0, 0, 0, 0, 0, 0.0), {},
                           CONFIG, tolerance=huge)
+
+
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps", "max_position_embeddings",
+                                   "hidden_size"])
+def test_a_huge_integer_elsewhere_is_a_typed_error(field):
+    """10**400 where a real is read: make_batch rewards, a reward function's value in
+    grpo_step (through _reward_value) and config.json fields are the library's one-line
+    errors, never OverflowError (issue 32, defect 7)."""
+    import json
+    from jaxrl_cache.models.hf import ConfigError, config_from_hf
+    from jaxrl_cache.rl.loop import _reward_value
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        make_batch(ROLLOUTS, [1.0, 10**400])
+    with pytest.raises(ValueError, match="reward must be finite.*1329 bits"):
+        _reward_value(10**400)
+    assert _reward_value(True) == 1.0 and _reward_value(np.float32(0.5)) == 0.5
+    from tests.hf_fixtures import FIXTURES
+    hf = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
+    with pytest.raises(ConfigError, match=field):
+        config_from_hf(dict(hf, **{field: 10**400}), source="config.json")

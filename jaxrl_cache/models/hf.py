@@ -145,9 +145,13 @@ def _number(d: dict, key: str, kind: type, source: str, *, label: str | None = N
         return default
     ok = not isinstance(value, bool) and (isinstance(value, int) if kind is int else
                                           isinstance(value, (int, float)))
-    if not ok or not math.isfinite(value) or value <= 0:
+    if ok and isinstance(value, int):  # math.isfinite and float() overflow past 2**1024;
+        ok = value.bit_length() <= (31 if kind is int else 1024)  # sizes index int32 arrays
+    elif ok:
+        ok = math.isfinite(value)
+    if not ok or value <= 0:
         raise ConfigError(f"{source} field {label}={value!r:.200}: expected a positive "
-                          f"{'integer' if kind is int else 'number'}")
+                          f"{'integer below 2**31' if kind is int else 'number'}")
     return kind(value)
 
 

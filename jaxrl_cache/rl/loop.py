@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
+from jaxrl_cache.checks import as_real
 from jaxrl_cache.rl.audit import AuditReport, audit_attribution, tolerance_for
 from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState,
                                   group_advantages, make_batch, sample_loss_mask,
@@ -177,6 +178,15 @@ def _checked_in_step(samples, version: int) -> int:
                for i, s in enumerate(samples))
 
 
+def _reward_value(value) -> float:
+    """A reward function's value as a float (bools and numpy scalars too; NaN and inf are
+    refused by make_batch); an int past the float range is as_real's one-line ValueError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return as_real(value, "reward")
+
+
 def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable | None, *,
               decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
               advantages: Callable = group_advantages, audit_samples: int | None = None,
@@ -214,7 +224,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
                          "call has no reward of its own")
     texts = [item for meta, batch in parts for item in _items(meta, batch, decode)]
-    rewards = [float(s.reward) if reward is None else float(reward(meta, s, text))
+    rewards = [float(s.reward) if reward is None else _reward_value(reward(meta, s, text))
                for meta, s, text in texts]
     t2 = time.perf_counter()
     in_step = train.mini_batches == 1 and train.compute_dtype == "float32"

@@ -320,6 +320,9 @@ def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | E
     except (TypeError, ValueError):
         raise TypeError(f"rewards must be numbers [N={len(samples)}], got "
                         f"{type(rewards).__name__} {rewards!r:.80}") from None
+    except OverflowError:  # an int past the float range (10**400)
+        raise ValueError("rewards must be finite, got an integer past the float range") \
+            from None
     if rewards.shape != (len(samples),):
         raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
     if not np.isfinite(rewards).all():
