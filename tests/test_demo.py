@@ -483,6 +483,18 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
     (["--chunk-steps", str(10**12)], "--chunk-steps must be at most 4096"),
     (["--max-new-tokens", "100000"], "exceeds the max_seq_len 128"),
     (["--task", str(TASK_FILE), "--max-new-tokens", "100000"], "exceeds the max_seq_len"),
+    (["--env", "calculator", "--kv-pages", "10"], "--kv-pages 10 cannot hold one sample: an "
+                                                   "episode"),
+    (["--async", "--mini-batches", "4", "--max-policy-lag", "300"],
+     "--max-policy-lag 300 x 4 updates per step"),
+    (["--token-budget", "8"], "--token-budget 8 cannot hold one sample"),
+    (["--mini-batches", "64", "--steps", str(2**26)], "passes the largest policy version"),
+    (["--warmup-steps", str(10**30)], "--warmup-steps must be at most 2147483647"),
+    (["--group-size", str(10**9)], "samples (--prompts-per-step x --group-size"),
+    (["--sft-batch", str(10**9)], "--sft-batch 1000000000: a warm-start step"),
+    (["--kv-pages", str(10**9)], "--kv-pages 1000000000: a KV pool"),
+    pytest.param(["--backend", "pallas"], "--backend pallas runs Triton kernels on a GPU",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
 ])
 def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     """Flags that only the job can judge (the pool for the batch, bounds) fail in one line
@@ -490,8 +502,9 @@ def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     command is not refused as a previous run (issue 32, defect 6)."""
     out = tmp_path / "run"
     start = time.perf_counter()
-    assert cli.main(["demo", "--out", str(out), "--steps", "1", *argv]) == 2
+    steps = [] if "--steps" in argv else ["--steps", "1"]
+    assert cli.main(["demo", "--out", str(out), *steps, *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err and "Traceback" not in err
+    assert message in err and "\n" not in err and "Traceback" not in err, err
     assert time.perf_counter() - start < 30  # no warm start ran
-    assert not RunDir(out).holds_run() and not (out / "checkpoints").exists()
+    assert not out.exists()  # no run directory, no lock, no checkpoint

@@ -41,23 +41,28 @@ from jaxrl_cache.app.mesh_layout import MeshLayout
 from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
-from jaxrl_cache.models import (ModelConfig, from_pretrained, init_params, load_tokenizer,
-                               save_pretrained)
+from jaxrl_cache.models import (ModelConfig, from_pretrained, init_kv_cache, init_params,
+                               load_tokenizer, save_pretrained)
 from jaxrl_cache.models.hf import config_from_hf, read_json
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.train import TrainConfig, TrainState, check_memory, make_optimizer
+from jaxrl_cache.rl.train import (TrainConfig, TrainState, available_bytes, check_memory,
+                                  estimate_step_bytes, make_optimizer)
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
-from jaxrl_cache.rollout.scheduler import row_pages
+from jaxrl_cache.rollout.scheduler import pages_for
+from jaxrl_cache.versioning import MAX_VERSION
 
 MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
 MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
-MAX_CHUNK_STEPS = 4096  # decode steps per chunk: each is a column of the chunk's outputs
+MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_steps] outputs)
+MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
+HOST_BYTES_PER_TOKEN = 256  # rough host memory per token of a step's samples (token tuples,
+#                             log-probs, versions, masks, the packed batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,10 @@ class DemoOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
                                  f"got {value!r}")
+            high = MAX_CHUNK_STEPS if name == "chunk_steps" else MAX_COUNT
+            if value > high:
+                raise ValueError(f"--{name.replace('_', '-')} must be at most {high}, got "
+                                 f"{value}")
         if self.group_size < 2:
             raise ValueError("--group-size must be >= 2: GRPO advantages compare samples of "
                              "a group")
@@ -139,9 +148,6 @@ class DemoOptions:
                 or not 0 <= self.max_policy_lag <= MAX_POLICY_LAG:
             raise ValueError(f"--max-policy-lag must be an integer in [0, {MAX_POLICY_LAG}], "
                              f"got {self.max_policy_lag!r}")
-        if self.chunk_steps > MAX_CHUNK_STEPS:  # a static shape: [slots, chunk_steps] arrays
-            raise ValueError(f"--chunk-steps must be at most {MAX_CHUNK_STEPS}, got "
-                             f"{self.chunk_steps}")
         _train_config(self, async_rollouts=self.async_rollouts)  # TrainConfig checks them
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError(f"--mini-batches ({self.mini_batches}) exceeds the samples of a "
@@ -209,38 +215,98 @@ def _prepare(opts: DemoOptions):
 def _check_inputs(opts: DemoOptions):
     """(task, mesh layout or None), once everything the run reads first is checked: the
     mesh against the devices, the task file, the --model directory's config and tokenizer,
-    and every task prompt (with the generation budget) against the model's max_seq_len."""
+    every task prompt (with the generation budget) against the model's max_seq_len, and
+    the job the flags describe (`_check_job`)."""
     layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
     if layout is not None:
         layout.check_devices(jax.device_count())
     task = _make_task(opts)
     if opts.model is None:
         tokenizer, model = char_tokenizer(), "the built-in model"
-        limit = builtin_model_config(tokenizer.vocab_size).max_seq_len
+        config = builtin_model_config(tokenizer.vocab_size)
     else:
         config_file = pathlib.Path(opts.model) / "config.json"
-        limit = config_from_hf(read_json(config_file), source=str(config_file)).max_seq_len
+        config = config_from_hf(read_json(config_file), source=str(config_file))
         tokenizer, model = load_tokenizer(opts.model), f"--model {opts.model}"
-    max_new = _max_new_tokens(opts, task)
-    if opts.env is None:
-        examples = task.examples if opts.task is not None else task.sample(
-            np.random.default_rng(opts.seed), 64)
-        lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in examples])]
-        bad = next((i for i, n in enumerate(lengths) if n + max_new > limit), None)
-        if bad is not None:
-            where = f"{task.path}:{task.lines[bad]}" if opts.task is not None else "--max-new-tokens"
-            raise ValueError(f"{where}: the prompt is {lengths[bad]} tokens; with {max_new} "
-                             f"new tokens it exceeds the max_seq_len {limit} of {model}")
-        need = row_pages(max(lengths), max_new, PAGE_SIZE)
-        if need > opts.kv_pages - 1:  # page 0 is the null page
-            raise ValueError(f"--kv-pages {opts.kv_pages} cannot hold one sample: the longest "
-                             f"prompt ({max(lengths)} tokens) + {max_new} new tokens need "
-                             f"{need} KV pages of {PAGE_SIZE} tokens; use --kv-pages {need + 1} "
-                             f"or more")
-    elif max_new >= limit:
-        raise ValueError(f"--max-new-tokens {max_new} leaves no room for the episode's "
-                         f"context within the max_seq_len {limit} of {model}")
+    row = _longest_sample(opts, task, tokenizer, config.max_seq_len, model)
+    _check_job(opts, config, row, layout)
     return task, layout
+
+
+def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) -> int:
+    """Tokens of the longest sample the job can make (prompt + --max-new-tokens; --env: an
+    episode, up to max_seq_len); ValueError naming the prompt or flag that passes `limit`."""
+    max_new = _max_new_tokens(opts, task)
+    if opts.env is not None:
+        if max_new >= limit:
+            raise ValueError(f"--max-new-tokens {max_new} leaves no room for the episode's "
+                             f"context within the max_seq_len {limit} of {model}")
+        return limit
+    examples = task.examples if opts.task is not None else task.sample(
+        np.random.default_rng(opts.seed), 64)
+    lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in examples])]
+    bad = next((i for i, n in enumerate(lengths) if n + max_new > limit), None)
+    if bad is not None:
+        where = f"{task.path}:{task.lines[bad]}" if opts.task is not None else "--max-new-tokens"
+        raise ValueError(f"{where}: the prompt is {lengths[bad]} tokens; with {max_new} "
+                         f"new tokens it exceeds the max_seq_len {limit} of {model}")
+    return max(lengths) + max_new
+
+
+def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None:
+    """The flags against the job they describe, before any work (ValueError, one line):
+    versions and the policy lag within their bounds, one sample of `row` tokens within the
+    KV pool and a training micro-batch, the pool, a train step, the warm start's batch and
+    a step's samples within memory, the mesh over the model and the step's samples."""
+    train = _train_config(opts, async_rollouts=opts.async_rollouts)
+    if opts.steps * train.updates > MAX_VERSION:
+        raise ValueError(f"--steps {opts.steps} x {train.updates} updates per step passes the "
+                         f"largest policy version {MAX_VERSION}")
+    if opts.async_rollouts and opts.max_policy_lag * train.updates > MAX_POLICY_LAG:
+        raise ValueError(f"--max-policy-lag {opts.max_policy_lag} x {train.updates} updates "
+                         f"per step (--mini-batches) is a lag of more than {MAX_POLICY_LAG} "
+                         f"versions, the engine's bound")
+    need = pages_for(row - 1, PAGE_SIZE)  # KV of every token but the last
+    if need > opts.kv_pages - 1:  # page 0 is the null page
+        what = "an episode (up to max_seq_len)" if opts.env else \
+            "the longest prompt + --max-new-tokens"
+        raise ValueError(f"--kv-pages {opts.kv_pages} cannot hold one sample: {what}, {row} "
+                         f"tokens, needs {need} KV pages of {PAGE_SIZE} tokens; use "
+                         f"--kv-pages {need + 1} or more")
+    if train.token_budget < row:
+        raise ValueError(f"--token-budget {train.token_budget} cannot hold one sample of "
+                         f"{row} tokens in a training micro-batch; use --token-budget {row} "
+                         f"or more")
+    _check_memory(opts, config, train, row)
+    if layout is not None:
+        state = jax.eval_shape(lambda: TrainState.create(
+            init_params(config, jax.random.key(0)), make_optimizer(), config=config,
+            lr_schedule=_lr_schedule(opts)))
+        layout.build(config, state, opts.prompts_per_step * opts.group_size)
+    if opts.backend == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"--backend pallas runs Triton kernels on a GPU; this machine runs "
+                         f"{jax.default_backend()}: use auto, xla or interpret")
+
+
+def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig, row: int):
+    """The KV pool, a train step (TrainMemoryError), the warm start's batch and a step's
+    (or the eval's) samples against the memory available (unknown: no check)."""
+    check_memory(config, train)
+    have = available_bytes()
+    if have is None:
+        return
+    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: init_kv_cache(config, opts.kv_pages, PAGE_SIZE))))
+    one = estimate_step_bytes(config, dataclasses.replace(train, token_budget=row), row)
+    sft = one["state"] + opts.sft_batch * one["activations"] if _sft_steps(opts) else 0
+    samples = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts)
+    for what, need in ((f"--kv-pages {opts.kv_pages}: a KV pool", pool),
+                       (f"--sft-batch {opts.sft_batch}: a warm-start step", sft),
+                       (f"{samples} samples (--prompts-per-step x --group-size, "
+                        f"--eval-prompts)", samples * row * HOST_BYTES_PER_TOKEN)):
+        if need > have:
+            raise ValueError(f"{what} of {need / 2**30:.1f} GiB does not fit the "
+                             f"{have / 2**30:.1f} GiB available")
 
 
 def _max_new_tokens(opts: DemoOptions, task) -> int:
@@ -421,7 +487,6 @@ def run_demo(opts: DemoOptions) -> dict:
             run.clear()
         raise
     train = _train_config(opts, async_rollouts=opts.async_rollouts)
-    check_memory(config, train)  # before the eval and the first rollout
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
     engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
