@@ -11,8 +11,12 @@ sequence of token ids, or, for the first one only, chat messages (rendered with 
 template and its generation prompt). A later observation of a chat model carries its own
 role markers (e.g. the end of the assistant turn and the start of the next one).
 
-Environment calls are host Python on worker threads and may be slow or raise: an exception
-ends that episode (finish_reason "error", the message kept), never the batch.
+Environment calls are host Python on daemon worker threads and may be slow, hang or raise:
+anything raised (SystemExit and KeyboardInterrupt included), a missing method or an invalid
+answer ends that episode (finish_reason "error", the type and message kept), never the
+batch; what they return is read on the same thread. A call past `env_timeout` ends its
+episode; its thread stays parked until the call returns (its answer is then dropped) and
+never keeps the process from exiting.
 """
 from __future__ import annotations
 
