@@ -288,7 +288,8 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
                          f"{jax.default_backend()}: use auto, xla or interpret")
 
 
-def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig, row: int):
+def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
+                  row: int) -> None:
     """The KV pool, a train step (TrainMemoryError), the warm start's batch and a step's
     (or the eval's) samples against the memory available (unknown: no check)."""
     check_memory(config, train)
