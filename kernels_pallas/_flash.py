@@ -136,9 +136,9 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
     p @ v runs in fp32 (v converted; TF32 on the GPU).
 
     q: tuple of [rows, size] chunks; mask(i, block_k) -> bool [rows or 1, block_k] visible
-    keys; key_valid(i, block_k) -> bool [block_k] written keys (V zeroed elsewhere, so NaN /
-    Inf in free slots cannot leak). Returns (o: tuple of f32 [rows, size] unnormalised,
-    l f32 [rows]).
+    keys of block i; key_valid(i, n) -> bool [n] whether keys i * n ... i * n + n - 1 hold
+    written data (V zeroed elsewhere, so NaN / Inf in free slots cannot leak).
+    Returns (o: tuple of f32 [rows, size] unnormalised, l f32 [rows]).
     """
     rows = q[0].shape[0]
     block_k = pages_per_block * k_ref.shape[1]
@@ -175,8 +175,7 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         page_ids = pages_ref[pl.ds(i * pages_per_block + first_key // page_size, sub_pages)]
         v = v_ref[page_ids + page_offset, pl.ds(first_key % page_size, sub_keys),
                   pl.ds(off, size)].reshape(KEY_BLOCK, size)
-        valid = key_valid(i, block_k)
-        valid = _parts(valid, parts, 0)[j][:, None]
+        valid = key_valid(i * parts + j, KEY_BLOCK)[:, None]  # keys i*block_k + j*16 + ...
         return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
 
     def body(i, carry):

@@ -17,6 +17,7 @@ folded), masking only the blocks that cross the diagonal or the sequence end.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import _common as c
 from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
                                    store_chunks)
-from kernels_pallas.blocked import blocked_attention
+from kernels_pallas.blocked import MIN_QUERY_ROWS, blocked_attention
 
 
 # Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
@@ -140,8 +141,14 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    rows = prefill_rows(num_tokens, group, block_rows)
-    block_q = rows // group  # tokens per tile; rows past block_q * group are padding
+    if interpret and exact and block_rows is None:
+        # The reference's query tiles: XLA:CPU's p @ v dot [M, 16] x [16, 32] (head_dim 32)
+        # gives other bits from M = 64 on, so the kernel's rows mirror the reference's M.
+        block_q = min(_REFERENCE_BLOCK_Q, c.next_power_of_2(num_tokens))
+        rows = max(MIN_QUERY_ROWS, block_q * group)
+    else:
+        rows = prefill_rows(num_tokens, group, block_rows)
+        block_q = rows // group  # tokens per tile; rows past block_q * group are padding
     size_class = 128 if head_dim <= 128 else 256
     if num_warps is None:
         num_warps = (EXACT_WARPS[64 if head_dim <= 64 else size_class] if exact
@@ -277,3 +284,7 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                            block_rows=block_rows, pages_per_block=pages_per_block,
                            num_warps=num_warps, num_stages=num_stages,
                            interpret=backend == "interpret", exact=exact)
+
+
+# paged_prefill_reference's query tile (tokens), which interpret mode mirrors (exact=True)
+_REFERENCE_BLOCK_Q = inspect.signature(paged_prefill_reference).parameters["block_q"].default
