@@ -1,6 +1,6 @@
 """Prepared GPU check: compiled Pallas kernels vs the reference, then timings.
 
-  python -m benchmarks.gpu_check --out benchmarks/results      # on a GPU (about 3-5 min)
+  python -m benchmarks.gpu_check --out benchmarks/results      # on a GPU (about 4-6 min)
   python -m benchmarks.gpu_check --smoke --out /tmp/smoke      # CPU dry run, tiny shapes
 
 (1) correctness of the compiled `pallas` kernels against the `xla` reference (the exact
