@@ -20,8 +20,11 @@ or on the batch it is in.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas._common import next_power_of_2
 
@@ -138,3 +141,26 @@ def blocked_attention(q, k, v, visible, scale: float):
     vis = jnp.moveaxis(vis, -2, -3)  # [..., NB, M, KB]
     p, l_blocks = softmax_blocks(block_scores(q, kb, scale), vis)
     return combine_blocks(block_values(p, vb), l_blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def batch_invariant(head_dim: int, dtype: str = "float32") -> bool:
+    """Whether this backend's dots keep the blocked order's bits at `head_dim` whatever the
+    number of query rows (measured once: scores and p @ v of the same rows alone, among 64
+    and among 512). True at head_dim 16, 64 and 128 on XLA:CPU; False at 32, where a
+    [M, 16] x [16, 32] dot gives other bits from M = 64 on: exactness then does not hold and
+    the audit takes the calibrated tolerance (rl.audit.tolerance_for)."""
+    rng = np.random.default_rng(0)
+    with jax.ensure_compile_time_eval():
+        q = jnp.asarray(rng.standard_normal((2, 512, head_dim)), dtype)
+        k = key_blocks(jnp.asarray(rng.standard_normal((2, 128, head_dim)), dtype), -2)
+        p = jnp.asarray(rng.random((2, 8, 512, KEY_BLOCK)), jnp.float32)
+        v = key_blocks(jnp.asarray(rng.standard_normal((2, 128, head_dim)), dtype), -2)
+        scores = jax.jit(lambda q, k: block_scores(q, k, 0.5))
+        values = jax.jit(block_values)
+        s_ref, o_ref = np.asarray(scores(q, k)), np.asarray(values(p, v))
+        for m in (1, 4, 64):
+            if not (np.array_equal(np.asarray(scores(q[:, :m], k)), s_ref[..., :m, :]) and
+                    np.array_equal(np.asarray(values(p[..., :m, :], v)), o_ref[..., :m, :])):
+                return False
+    return True

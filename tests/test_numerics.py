@@ -98,3 +98,18 @@ def test_blocked_attention_is_attention_and_position_aligned():
     vis[:, before:before + length] = causal
     shifted = np.asarray(jax.jit(blocked_attention, static_argnums=4)(q, kk, vv, vis, 0.25))
     np.testing.assert_array_equal(shifted, alone)
+
+
+def test_head_sizes_whose_dots_keep_the_order():
+    """The probe behind rl.audit.tolerance_for: at head_dim 32 XLA:CPU's p @ v dot changes
+    its bits with the row count (from 64 rows), so an engine of such a model is audited at
+    the calibrated tolerance instead of comparing bits; 16, 64 and 128 keep the order."""
+    from jaxrl_cache.models import ModelConfig
+    from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, tolerance_for
+    from jaxrl_cache.rollout import CacheConfig, RolloutEngine
+    from kernels_pallas.blocked import batch_invariant
+    assert [batch_invariant(d) for d in (16, 32, 64, 128)] == [True, False, True, True]
+    for head_dim, want in ((16, 0.0), (32, CALIBRATED_TOLERANCE)):
+        config = ModelConfig.tiny(vocab_size=32, head_dim=head_dim)
+        engine = RolloutEngine(config, CacheConfig(num_pages=16, page_size=4))
+        assert tolerance_for(engine) == want

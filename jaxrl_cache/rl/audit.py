@@ -14,6 +14,7 @@ from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
+from kernels_pallas.blocked import batch_invariant
 
 AUDIT_TOLERANCE = 0.0  # exact numerics: a token whose bits differ is flagged
 # Where the sampler does not compute the trainer's bits (a tensor-parallel engine: its
@@ -25,10 +26,14 @@ CALIBRATED_TOLERANCE = 5e-4
 
 def tolerance_for(engine) -> float:
     """The audit tolerance for samples of `engine`: AUDIT_TOLERANCE (0) when it computes
-    the trainer's bits (one device, the xla or interpret backend), CALIBRATED_TOLERANCE
-    otherwise (a mesh, the compiled pallas kernels)."""
+    the trainer's bits (one device, the xla or interpret backend, a head size whose dots
+    keep the blocked order: `kernels_pallas.blocked.batch_invariant`), CALIBRATED_TOLERANCE
+    otherwise (a mesh, the compiled pallas kernels, head_dim 32 on XLA:CPU)."""
     exact = getattr(engine, "mesh", None) is None and getattr(engine, "backend", "xla") in (
         "xla", "interpret")
+    config = getattr(engine, "model_config", None)
+    if exact and config is not None:  # the dots keep the order at this head size (probe)
+        exact = batch_invariant(config.head_dim, config.dtype)
     return AUDIT_TOLERANCE if exact else CALIBRATED_TOLERANCE
 
 
