@@ -15,7 +15,7 @@ demo: setup
 	$(BIN)/jaxrl-cache demo --overwrite
 
 test: setup
-	$(BIN)/python -m pytest tests -m 'not slow' -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests -m 'not slow' -n 2 --dist loadfile --max-worker-restart=0 --durations=15
 
 test-full: setup
 	JAXRL_FULL_SWEEP=1 $(BIN)/python -m pytest tests -n 2 --dist loadfile --durations=30

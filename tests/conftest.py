@@ -27,6 +27,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
                                + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402  (after the environment: jax reads it once, at import)
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
@@ -44,3 +45,13 @@ LONG_FILES = ("test_multidevice.py", "test_demo.py", "test_multihost.py", "test_
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Each test file's compiled programs are freed when it ends (the disk cache keeps the
+    next file's compiles cheap). An xdist worker that kept every program of a dozen files
+    alive crashed XLA:CPU inside a later compile or its cache write (SIGSEGV / SIGABRT in
+    test_exactness's train step, every run; each file passes alone)."""
+    yield
+    jax.clear_caches()

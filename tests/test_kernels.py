@@ -459,21 +459,30 @@ def assert_same_bits(got, want):
     assert not np.isnan(np.asarray(got, np.float32)).any()
 
 
+EXACT_HKV = 2
+
+
+def exact_pool(rng, lens, page_size, head_dim, dtype, layers):
+    """(k, v, table, layer kwargs) for rows of `lens` tokens: a pool with a spare page per
+    row; single pools get their free slots poisoned, stacked ones read their last layer."""
+    width = max(-(-n // page_size) for n in lens) + 1
+    num_pages = len(lens) * width + 4
+    k, v = random_pool(rng, num_pages, EXACT_HKV, page_size, head_dim, dtype, layers)
+    table = random_page_table(rng, len(lens), width, num_pages)
+    if layers is None:
+        k, v, table = poison_unused(k, v, table, lens)
+        return k, v, table, {}
+    return k, v, table, {"layer": jnp.int32(layers - 1)}
+
+
 def exact_decode_case(page_size, group, head_dim, dtype, seed, layers=None):
     """Ragged rows (one token, two pages and 3, past the first 64-key score block), a padded
     row (length 0); free slots poisoned; then the same rows behind shared prompt pages (on a
     16-key block edge or not, by page size)."""
     rng = np.random.default_rng(seed)
-    hkv = 2
     lens = [1, 2 * page_size + 3, 0, 75]
-    width = -(-75 // page_size) + 1
-    num_pages = len(lens) * width + 4
-    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
-    table = random_page_table(rng, len(lens), width, num_pages)
-    layer_args = {} if layers is None else {"layer": jnp.int32(layers - 1)}
-    if layers is None:
-        k, v, table = poison_unused(k, v, table, lens)
-    q = jnp.asarray(rng.standard_normal((len(lens), group * hkv, head_dim)), dtype)
+    k, v, table, layer_args = exact_pool(rng, lens, page_size, head_dim, dtype, layers)
+    q = jnp.asarray(rng.standard_normal((len(lens), group * EXACT_HKV, head_dim)), dtype)
     args = (q, k, v, jnp.asarray(table), jnp.asarray(lens, jnp.int32))
     want = paged_decode_attention(*args, backend="xla", **layer_args)
     assert_same_bits(paged_decode_attention(*args, backend="interpret", **layer_args), want)
@@ -492,17 +501,10 @@ def exact_prefill_case(page_size, group, head_dim, dtype, seed, layers=None):
     """Cached prefixes (none, one page, a 16-key block edge, 70 tokens), new tokens ragged,
     one, none, across several 64-key score blocks; padded T; free slots poisoned."""
     rng = np.random.default_rng(seed)
-    hkv = 2
     q_lens, cached = [page_size + 3, 1, 0, 2 * page_size + 5], [0, page_size, 16, 70]
     kv_lens = [c + n for c, n in zip(cached, q_lens)]
-    width = max(-(-n // page_size) for n in kv_lens) + 1
-    num_pages = len(q_lens) * width + 4
-    k, v = random_pool(rng, num_pages, hkv, page_size, head_dim, dtype, layers)
-    table = random_page_table(rng, len(q_lens), width, num_pages)
-    layer_args = {} if layers is None else {"layer": jnp.int32(layers - 1)}
-    if layers is None:
-        k, v, table = poison_unused(k, v, table, kv_lens)
-    q = jnp.asarray(rng.standard_normal((sum(q_lens) + 5, group * hkv, head_dim)), dtype)
+    k, v, table, layer_args = exact_pool(rng, kv_lens, page_size, head_dim, dtype, layers)
+    q = jnp.asarray(rng.standard_normal((sum(q_lens) + 5, group * EXACT_HKV, head_dim)), dtype)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     args = (q, k, v, jnp.asarray(table), cu, jnp.asarray(kv_lens, jnp.int32))
     want = paged_prefill_attention(*args, backend="xla", **layer_args)
