@@ -356,3 +356,35 @@ def test_a_step_that_cannot_fit_says_so_before_any_work(monkeypatch):
     with pytest.raises(TrainMemoryError, match="lower token_budget|state alone"):
         train_step(state, batch)
     assert int(state.version) == 0
+
+
+def test_shape_follows_the_prompts_not_the_sampled_lengths():
+    """GRPO steps on the same prompts whose samples stop at other lengths (1 token up to
+    max_new_tokens) pack into one shape [U, M, B, R] and one scored width K, planned for
+    prompt + max_new_tokens: after the first step no new length recompiles the train step
+    (the CLI demo on SmolLM2 compiled it in 4 of 5 steps). Every sequence is still packed
+    whole, its tokens and weights where the unplanned packing puts them."""
+    from jaxrl_cache.rl.packing import pack
+    rng = np.random.default_rng(3)
+    prompts = np.repeat(rng.integers(40, 50, 2), 8)  # 2 prompts x 8 samples
+    max_new, shapes = 24, set()
+    for step in range(12):
+        outs = rng.integers(1, max_new + 1, 16)
+        sequences = [rng.integers(1, 40, p + o) for p, o in zip(prompts, outs)]
+        per_out = [np.ones(o, np.float32) for o in outs]
+        args = (sequences, prompts, per_out, [np.zeros(o, np.int32) for o in outs],
+                np.ones(16, np.float32), per_out, [np.ones(o, np.int32) for o in outs])
+        packed = pack(*args, parts=[np.arange(16)], token_budget=4096,
+                      reserve=prompts + max_new)
+        shapes.add((packed.tokens.shape, packed.scored.shape))
+        assert float(packed.weights.sum()) == outs.sum()
+        seqs = [np.asarray(packed.tokens[0, 0, b])[np.asarray(packed.segments[0, 0, b]) == k]
+                for b in range(packed.tokens.shape[2]) for k in range(1, 17)]
+        assert sorted(map(tuple, (s for s in seqs if len(s)))) == \
+            sorted(map(tuple, sequences))
+        # the scored columns are exactly the weighted ones
+        cols = np.asarray(packed.scored)
+        kept = np.take_along_axis(np.pad(np.asarray(packed.weights), [(0, 0)] * 3 + [(0, 1)]),
+                                  cols, -1)
+        assert kept.sum() == outs.sum()
+    assert len(shapes) == 1, shapes

@@ -10,7 +10,9 @@ whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-b
 balanced by tokens (`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
 holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
-as much as many steps of padding.
+as much as many steps of padding. With `reserve` (the train step passes prompt +
+max_new_tokens) rows and K are planned for the lengths samples could have taken, so the
+shape follows the prompts and sampling settings, not the lengths the policy sampled.
 """
 from __future__ import annotations
 
@@ -138,16 +140,22 @@ def aligned_length(n: int) -> int:
 
 def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, audited, *,
          parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
-         known=()) -> PackedBatch:
+         known=(), reserve=None) -> PackedBatch:
     """Packs samples into a PackedBatch.
 
     sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
     versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the K
-    (`scored_columns`) compiled with it.
+    (`scored_columns`) compiled with it. reserve: per sample int [N], the tokens it could
+    have taken (e.g. prompt + max_new_tokens; within the budget): rows and the scored
+    width K are planned for those, so the shape follows the prompts and the sampling
+    settings, not the lengths the policy happened to sample (a new length is no recompile).
     """
-    lengths = np.array([aligned_length(len(s)) for s in sequences])
+    cap = token_budget // KEY_BLOCK * KEY_BLOCK  # a reserve never makes a sample not fit
+    planned = [len(s) for s in sequences] if reserve is None else \
+        [max(min(int(r), cap), len(s)) for r, s in zip(reserve, sequences)]
+    lengths = np.array([aligned_length(n) for n in planned])
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
                                          row_multiple, known)
     shape = (len(parts), micro, per_micro, width)
@@ -174,19 +182,22 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     out[key][row][at + p - 1:at + p - 1 + o] = value[i]
                 at += aligned_length(n)
     ks = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
-    out["scored"] = scored_columns(out["weights"], ks)
+    most = 0 if reserve is None else max(  # the planned rows' output tokens
+        sum(planned[i] - int(prompt_lengths[i]) for i in map(int, part[members]))
+        for part, part_rows in zip(parts, rows) for members in part_rows)
+    out["scored"] = scored_columns(out["weights"], ks, at_least=most)
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
-def scored_columns(weights: np.ndarray, known=()) -> np.ndarray:
+def scored_columns(weights: np.ndarray, known=(), at_least: int = 0) -> np.ndarray:
     """weights f32 [..., R] -> int32 [..., K]: each row's columns with weight > 0 in order,
     padded with R. K: the smallest of `known` (K compiled before with this shape) that holds
-    the most any row has, else that count rounded up to a multiple of max(ROW_ALIGN, R / 4)
-    (at most four shapes per row length), at most R. A known K costs no compile; only the
-    LM head computes its padding columns."""
+    the most any row has (or `at_least`, a planned bound), else that count rounded up to a
+    multiple of max(ROW_ALIGN, R / 4) (at most four shapes per row length), at most R. A
+    known K costs no compile; only the LM head computes its padding columns."""
     width = weights.shape[-1]
     keep = weights > 0
-    most = int(keep.sum(-1).max(initial=0))
+    most = min(width, max(int(keep.sum(-1).max(initial=0)), at_least))
     k = min([c for c in known if c >= most] or
             [min(width, max(1, _round_up(most, max(ROW_ALIGN, width // 4))))])
     # stable sort puts each row's kept columns first, in order; the rest become R

@@ -454,7 +454,9 @@ _PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {K}}
 
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
     """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`),
-    preferring a shape this process packed (so compiled) before (`packing.plan`)."""
+    planned for every sample at prompt + max_new_tokens (so the shape follows the prompts,
+    not the sampled lengths) and preferring a shape this process packed (so compiled)
+    before (`packing.plan`)."""
     if batch.num_samples < cfg.mini_batches:
         raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
                          f"{batch.num_samples} samples")
@@ -467,7 +469,8 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
     audited = [m & ~x for m, x in zip(batch.loss_masks, batch.mixed_masks)]
     packed = pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
                   batch.token_versions, batch.advantages, weights, audited, parts=parts,
-                  token_budget=cfg.token_budget, row_multiple=row_multiple, known=known)
+                  token_budget=cfg.token_budget, row_multiple=row_multiple, known=known,
+                  reserve=batch.prompt_lengths + batch.sampling.max_new_tokens)
     _, micro, rows, width = packed.tokens.shape
     known.setdefault((width, micro, rows), set()).add(packed.scored.shape[-1])
     return packed
