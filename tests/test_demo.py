@@ -508,3 +508,25 @@ def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     assert message in err and "\n" not in err and "Traceback" not in err, err
     assert time.perf_counter() - start < 30  # no warm start ran
     assert not out.exists()  # no run directory, no lock, no checkpoint
+
+
+def test_the_kv_pool_is_sized_from_the_job(monkeypatch):
+    """Without --kv-pages the pool holds every sample of the largest call at its longest
+    (8 prompts x 8 samples x 128-token rows: 1,025 pages, past the old fixed 512), never
+    less than 512 pages, and within half the available memory (then at least one sample);
+    --kv-pages wins."""
+    config = demo.builtin_model_config(char_tokenizer().vocab_size)
+    job = demo.DemoOptions(prompts_per_step=8, rollout_calls=1, group_size=8, eval_prompts=4)
+    monkeypatch.setattr(demo, "available_bytes", lambda: 2**40)
+    assert demo._job_kv_pages(job, config, 129) == 8 * 8 * 16 + 1
+    assert demo._job_kv_pages(demo.DemoOptions(), config, 12) == demo.MIN_KV_PAGES
+    eval_heavy = demo.DemoOptions(eval_prompts=200)
+    assert demo._job_kv_pages(eval_heavy, config, 129) == 200 * 16 + 1
+    page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(lambda: demo.init_kv_cache(config, 1, demo.PAGE_SIZE))))
+    monkeypatch.setattr(demo, "available_bytes", lambda: 2 * 600 * page)
+    assert demo._job_kv_pages(job, config, 129) == 600
+    monkeypatch.setattr(demo, "available_bytes", lambda: page)
+    assert demo._job_kv_pages(job, config, 129) == 17  # one sample and the null page
+    fixed = demo.DemoOptions(kv_pages=40)
+    assert demo._job_kv_pages(fixed, config, 129) == 40

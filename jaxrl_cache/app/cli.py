@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="save a checkpoint every k GRPO steps (also at the end and on Ctrl-C/SIGTERM; "
              "a kill -9 loses at most k steps) [%(default)s]")
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
-        help="KV pool size in pages of 8 tokens [%(default)s]")
+        help="KV pool size in pages of 8 tokens [sized from the job: every sample of a "
+             "rollout call (or the eval) at its longest, at least 512 pages, at most half "
+             "the available memory]")
     add("--chunk-steps", type=_positive_int, default=d.chunk_steps,
         help="decode steps per on-device chunk; with --async, weight updates land between "
              "chunks [%(default)s]")

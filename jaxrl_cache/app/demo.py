@@ -59,6 +59,7 @@ MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
 MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
+MIN_KV_PAGES = 512  # the smallest pool --kv-pages picks when not given (cached prefixes)
 MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_steps] outputs)
 MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
 HOST_BYTES_PER_TOKEN = 256  # rough host memory per token of a step's samples (token tuples,
@@ -82,7 +83,7 @@ class DemoOptions:
     warmup_steps: int = 5
     eval_prompts: int = 64
     checkpoint_every: int = 10
-    kv_pages: int = 512
+    kv_pages: int | None = None  # None: sized from the job (`_job_kv_pages`)
     chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
     seed: int = 0
     backend: str = "auto"
@@ -109,7 +110,7 @@ class DemoOptions:
                      "sft_steps", "warmup_steps"):
             value = getattr(self, name)
             low = 0 if name in ("sft_steps", "warmup_steps") else 1
-            if value is None and name in ("sft_steps", "max_new_tokens"):
+            if value is None and name in ("sft_steps", "max_new_tokens", "kv_pages"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
@@ -201,7 +202,7 @@ def _prepare(opts: DemoOptions):
             opts = dataclasses.replace(opts, **saved)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{run.run_file}: the saved options are not valid ({e})") from None
-    task, layout = _check_inputs(opts)
+    task, layout, opts = _check_inputs(opts)
     if not opts.resume:
         run.lock()
         if run.holds_run():
@@ -229,8 +230,29 @@ def _check_inputs(opts: DemoOptions):
         config = config_from_hf(read_json(config_file), source=str(config_file))
         tokenizer, model = load_tokenizer(opts.model), f"--model {opts.model}"
     row = _longest_sample(opts, task, tokenizer, config.max_seq_len, model)
+    opts = dataclasses.replace(opts, kv_pages=_job_kv_pages(opts, config, row))
     _check_job(opts, config, row, layout)
-    return task, layout
+    return task, layout, opts
+
+
+def _job_kv_pages(opts: DemoOptions, config: ModelConfig, row: int) -> int:
+    """--kv-pages when given, else a pool for the job: every sample of its largest call (a
+    rollout call's prompts x --group-size, or the eval) at its longest (`row` tokens), plus
+    the null page, and at least MIN_KV_PAGES (room for the prefixes the cache keeps); shrunk
+    to half the available memory when that holds less (at least one sample: a call queues
+    the samples that do not fit)."""
+    if opts.kv_pages is not None:
+        return opts.kv_pages
+    per_sample = pages_for(row - 1, PAGE_SIZE)
+    samples = max(opts.prompts_per_step // opts.rollout_calls * opts.group_size,
+                  opts.eval_prompts)
+    pages = max(MIN_KV_PAGES, samples * per_sample + 1)
+    have = available_bytes()
+    if have is not None:
+        page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+            lambda: init_kv_cache(config, 1, PAGE_SIZE))))
+        pages = min(pages, max(per_sample + 1, int(have // 2 // page)))
+    return min(pages, MAX_COUNT)
 
 
 def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) -> int:
