@@ -249,10 +249,14 @@ def _job_kv_pages(opts: DemoOptions, config: ModelConfig, row: int) -> int:
     pages = max(MIN_KV_PAGES, samples * per_sample + 1)
     have = available_bytes()
     if have is not None:
-        page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-            lambda: init_kv_cache(config, 1, PAGE_SIZE))))
-        pages = min(pages, max(per_sample + 1, int(have // 2 // page)))
+        pages = min(pages, max(per_sample + 1, int(have // 2 // _pool_bytes(config, 1))))
     return min(pages, MAX_COUNT)
+
+
+def _pool_bytes(config: ModelConfig, pages: int) -> int:
+    """Bytes of a KV pool of `pages` pages (shapes only, nothing allocated)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: init_kv_cache(config, pages, PAGE_SIZE))))
 
 
 def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) -> int:
@@ -318,8 +322,7 @@ def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
     have = available_bytes()
     if have is None:
         return
-    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-        lambda: init_kv_cache(config, opts.kv_pages, PAGE_SIZE))))
+    pool = _pool_bytes(config, opts.kv_pages)
     one = estimate_step_bytes(config, dataclasses.replace(train, token_budget=row), row)
     sft = one["state"] + opts.sft_batch * one["activations"] if _sft_steps(opts) else 0
     samples = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts)
