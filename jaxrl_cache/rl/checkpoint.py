@@ -32,6 +32,7 @@ import logging
 import os
 import pathlib
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -196,6 +197,10 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
                     state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
                 mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax raises many types
+            # the failed save can leave orbax's write coroutines unawaited; the error below
+            # says what happened, so Python's warning about them at exit is noise
+            warnings.filterwarnings("ignore", r"coroutine .* was never awaited",
+                                    RuntimeWarning)
             raise CheckpointError(f"saving version {version} into {path} failed: "
                                   f"{type(e).__name__}: {_first_line(e)}") from None
         try:
