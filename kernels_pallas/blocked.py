@@ -130,17 +130,58 @@ def combine_blocks(o_blocks, l_blocks):
     return o / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def blocked_attention(q, k, v, visible, scale: float):
     """Attention in the canonical order for queries that share their keys.
 
     q [..., M, D]; k, v [..., L, D] (key j at position j of the queries' sequence);
     visible bool [..., M, L] (broadcastable). Returns f32 [..., M, D].
+
+    Only the forward's bits are part of the contract (log-probs the sampler recorded), so
+    the backward pass is plain dense attention's (`_attention_backward`): one softmax and
+    four dots instead of differentiating every block's small dots and sums (6x faster at
+    16 rows of 80 on XLA:CPU).
     """
     kb, vb = key_blocks(k, -2), key_blocks(v, -2)  # [..., NB, KB, D]
     vis = key_blocks(jnp.broadcast_to(visible, (*visible.shape[:-1], k.shape[-2])), -1)
     vis = jnp.moveaxis(vis, -2, -3)  # [..., NB, M, KB]
     p, l_blocks = softmax_blocks(block_scores(q, kb, scale), vis)
     return combine_blocks(block_values(p, vb), l_blocks)
+
+
+def _attention_forward(q, k, v, visible, scale):
+    out = blocked_attention(q, k, v, visible, scale)
+    return out, (q, k, v, visible, out)
+
+
+def _attention_backward(scale, residuals, d_out):
+    """Cotangents of q, k, v from the softmax recomputed densely (the standard attention
+    backward: dS = P * (dP - rowsum(dO * O))); visible gets none."""
+    q, k, v, visible, out = residuals
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    s = jnp.where(visible, jnp.einsum("...md,...ld->...ml", q32, k32) * scale, -jnp.inf)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = p.sum(-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    d_out = d_out.astype(jnp.float32)
+    dv = jnp.einsum("...ml,...md->...ld", p, d_out)
+    dp = jnp.einsum("...md,...ld->...ml", d_out, v32)
+    ds = p * (dp - (d_out * out).sum(-1, keepdims=True)) * scale
+    dq = jnp.einsum("...ml,...ld->...md", ds, k32)
+    dk = jnp.einsum("...ml,...md->...ld", ds, q32)
+    return (_sum_to(dq, q), _sum_to(dk, k), _sum_to(dv, v), None)
+
+
+def _sum_to(grad, x):
+    """grad summed over the axes x was broadcast along, in x's dtype."""
+    extra = grad.ndim - x.ndim
+    grad = grad.sum(tuple(range(extra))) if extra else grad
+    axes = tuple(i for i, (g, n) in enumerate(zip(grad.shape, x.shape)) if n == 1 and g != 1)
+    return (grad.sum(axes, keepdims=True) if axes else grad).astype(x.dtype)
+
+
+blocked_attention.defvjp(_attention_forward, _attention_backward)
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,6 +100,38 @@ def test_blocked_attention_is_attention_and_position_aligned():
     np.testing.assert_array_equal(shifted, alone)
 
 
+def test_blocked_attention_gradients_are_attention_gradients():
+    """The backward pass (dense, not the blocks') gives dense attention's gradients, with
+    a visibility mask broadcast over heads, a query row that sees no key (its gradient 0)
+    and causal packing; cotangents come back in the inputs' dtype."""
+    batch, heads, m, length, d = 2, 3, 9, 21, 16
+    q = jnp.asarray(RNG.standard_normal((batch, heads, m, d)), jnp.float32)
+    k = jnp.asarray(RNG.standard_normal((batch, heads, length, d)), jnp.float32)
+    v = jnp.asarray(RNG.standard_normal((batch, heads, length, d)), jnp.float32)
+    visible = np.tril(np.ones((m, length), bool), k=length - m)[None, None].repeat(batch, 0)
+    visible[1, 0, 4] = False  # a row without a visible key
+    cot = jnp.asarray(RNG.standard_normal((batch, heads, m, d)), jnp.float32)
+
+    def dense_attention(q, k, v):
+        s = jnp.where(visible, jnp.einsum("...md,...ld->...ml", q, k) * 0.25, -jnp.inf)
+        p = jnp.exp(s - jnp.max(s, -1, keepdims=True, initial=-1e30))
+        p = jnp.where(visible, p, 0.0)
+        return jnp.einsum("...ml,...ld->...md", p / jnp.maximum(p.sum(-1, keepdims=True),
+                                                               1e-30), v)
+
+    def grads(attention):
+        return jax.jit(jax.grad(lambda q, k, v: (attention(q, k, v) * cot).sum(),
+                                argnums=(0, 1, 2)))(q, k, v)
+
+    ours = grads(lambda q, k, v: blocked_attention(q, k, v, jnp.asarray(visible), 0.25))
+    for got, want in zip(ours, grads(dense_attention)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    assert not np.asarray(ours[0])[1, 0, 4].any()
+    half = jax.grad(lambda q: blocked_attention(q, k.astype(jnp.bfloat16), v, visible,
+                                                0.25).sum())(q.astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16
+
+
 def test_head_sizes_whose_dots_keep_the_order():
     """The probe behind rl.audit.tolerance_for: at head_dim 32 XLA:CPU's p @ v dot changes
     its bits with the row count (from 64 rows), so an engine of such a model is audited at

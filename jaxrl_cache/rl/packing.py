@@ -5,8 +5,8 @@ starting on a multiple of KEY_BLOCK: segment ids keep attention inside a sequenc
 positions restart at 0), rows are grouped into M
 micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
 shape [U, M, B, R], so one compiled step serves every micro-batch. R is a multiple (1-4x,
-at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to 32,
-whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-batches are
+at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to
+KEY_BLOCK, whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-batches are
 balanced by tokens (`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
 holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
@@ -23,7 +23,7 @@ import numpy as np
 
 from kernels_pallas.blocked import KEY_BLOCK
 
-ROW_ALIGN = 32
+ROW_ALIGN = 32  # the scored width K is a multiple of it (few LM-head shapes)
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
 SHAPE_REUSE = 1.5  # a known shape wins while it computes at most this x the tightest shape
 
@@ -108,9 +108,9 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
                          f"({token_budget} per micro-batch); raise token_budget to at least "
-                         f"{_round_up(longest, ROW_ALIGN)}")
+                         f"{_round_up(longest, KEY_BLOCK)}")
     best = None
-    base = _round_up(longest, ROW_ALIGN)
+    base = _round_up(longest, KEY_BLOCK)  # sequences take multiples of it (aligned_length)
     for width in range(base, max(base, min(token_budget, MAX_ROW)) + 1, base)[:4]:
         rows = [_first_fit(l, width) for l in lengths_per_part]
         most = max(len(r) for r in rows)
