@@ -329,6 +329,25 @@ def test_compiles_once_per_shape_bucket(monkeypatch):
             real_decode._cache_size() - sizes[1]) == compiled
 
 
+def test_prompts_sharing_more_pages_reuse_the_compiled_shared_width():
+    """A call whose prompts share more leading pages than an earlier call's sends the shared
+    page count compiled before (the rest stay in each row's table): no new decode program,
+    and the same samples as an engine that never saw the first call."""
+    params, sp = varied_params(1), SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    few = [list(range(1, 2 * PS + 1)) + [40] * 19, list(range(1, 2 * PS + 1)) + [41] * 19]
+    more = [list(range(1, 4 * PS + 1)) + [42] * 3, list(range(1, 4 * PS + 1)) + [43] * 3]
+    assert len(few[0]) == len(more[0])  # one table width: only the shared count differs
+    engine = make_engine()
+    engine.rollout(params, 0, few, sp, rng=jax.random.key(0))
+    size = rollout_core.decode_chunk._cache_size()
+    batch = engine.rollout(params, 0, more, sp, rng=jax.random.key(1))
+    assert rollout_core.decode_chunk._cache_size() == size
+    alone = make_engine().rollout(params, 0, more, sp, rng=jax.random.key(1))
+    assert [s.output_ids for s in batch.samples] == [s.output_ids for s in alone.samples]
+    for a, b in zip(batch.samples, alone.samples):
+        np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+
+
 def test_resident_params_are_copies_of_the_callers_arrays():
     """numpy leaves mutated and jax leaves deleted after the sync change nothing."""
     params = varied_params(0)

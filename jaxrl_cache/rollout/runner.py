@@ -37,6 +37,7 @@ class Runner:
         self.model_config, self.cache_config = model_config, cache_config
         self.scheduler_config, self.backend = scheduler_config, backend
         self.device, self.mesh = device, mesh
+        self.shared_widths: dict[tuple[int, int], set[int]] = {}  # (rows, width) -> shared
         self._check_pool_fits()
         self.kv = self.fresh_pool()
 
@@ -98,6 +99,16 @@ class Runner:
         run.computed += total
         run.prefills += 1
 
+    def _shared_width(self, rows: int, width: int, most: int) -> int:
+        """The shared page count to send, at most `most` (any smaller count is correct:
+        the rest stay in every row's table): the largest one decoded before at this
+        (rows, width), so prompts that happen to share more pages compile nothing new."""
+        seen = self.shared_widths.setdefault((rows, width), set())
+        known = [k for k in seen if k <= most]
+        shared = max(known) if known else most
+        seen.add(shared)
+        return shared
+
     def decode(self, run: scheduler.Run) -> tuple[list, tuple]:
         """One decode chunk over the run's first `slot_bucket` slots (every live row is
         there: admission fills the lowest free slots), so empty slots beyond cost nothing.
@@ -109,8 +120,8 @@ class Runner:
         shared = 0  # the kernels read shared pages through every row's table anyway
         if self.backend == "xla":
             # at least one column stays per row (a row may only read shared pages)
-            shared = page_width_floor(min(scheduler.shared_prefix(slots, run.ps),
-                                          run.width - 1))
+            shared = self._shared_width(width, run.width, page_width_floor(
+                min(scheduler.shared_prefix(slots, run.ps), run.width - 1)))
         arrays = scheduler.pack_decode(slots, run.width, shared)
         refill_at = cfg.max_num_seqs + 1
         if run.waiting:
