@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts per GRPO step [%(default)s]")
     add("--rollout-calls", type=_positive_int, default=d.rollout_calls,
         help="rollout calls per step; later calls hit the prefix cached by earlier ones "
-             "[%(default)s]")
+             "(one call of all the step's prompts decodes fastest) [%(default)s]")
     add("--max-new-tokens", type=_positive_int, default=None,
         help="generation budget per sample [built-in task: answer + <eos>; --task: 64]")
     add("--temperature", type=_natural_float, default=d.temperature,

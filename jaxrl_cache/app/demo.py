@@ -4,8 +4,9 @@
    small model with a character tokenizer, written to `out/base_model` and read back.
 2. Warm start (`--sft-steps`): teacher-forced cross-entropy on reference answers, saved as
    `out/sft_model`. RL starts from the HF directory read back (`from_pretrained`).
-3. GRPO: each step, rollout at the current version (several calls: later ones reuse the
-   prompt prefix cached by the first) -> decode -> rewards on text -> attribution audit of
+3. GRPO: each step, rollout at the current version (one call by default: the samples of a
+   prompt reuse its cached prefix; with `--rollout-calls` > 1 later calls reuse the prefix
+   cached by the first) -> decode -> rewards on text -> attribution audit of
    every sample -> train_step -> sync_weights. One metrics.jsonl row per step.
 4. Checkpoints every `--checkpoint-every` steps, at the end, and on Ctrl-C/SIGTERM (the save
    itself defers signals); `--resume` continues exactly; the final policy is exported with
@@ -76,7 +77,8 @@ class DemoOptions:
     sft_batch: int = 32
     group_size: int = 8
     prompts_per_step: int = 8
-    rollout_calls: int = 2  # rollout calls per step (later ones hit the cached prefix)
+    rollout_calls: int = 1  # rollout calls per step (> 1: later ones hit the cached prefix;
+    # decode reads every weight once per step of a call, so one call of all rows is fastest)
     max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --task
     temperature: float = 1.0
     lr: float | None = None  # GRPO peak lr; None: 3e-3, or 3e-4 with --env calculator
