@@ -1,15 +1,17 @@
-"""GRPO end to end against the frameworks users would pick (issue 21): this library, TRL
-and tunix run the same workload (benchmarks/peers/common.py: SmolLM2-135M-Instruct fp32,
-examples/tasks/add.jsonl raw prompts, last-integer reward, 2 prompts x group 8, 24 new
-tokens, temperature 1, constant lr 2e-5, one AdamW update per step, no KL) on this CPU,
-each in its own subprocess and venv, alternated round by round.
+"""GRPO end to end against the frameworks users would pick (issues 21, 34): this library
+through its CLI (`jaxrl-cache demo --model ... --task ...`, chat template, default settings),
+TRL and tunix run the same workload (benchmarks/peers/common.py: SmolLM2-135M-Instruct,
+examples/tasks/add.jsonl as one-user-message chat prompts, last-integer reward, `--shape`
+prompts x group x new tokens, temperature 1, constant lr 2e-5, one AdamW update per step,
+no KL) on this CPU, each in its own subprocess and venv, alternated round by round.
 
-Variants (thread settings): jaxrl-mt (XLA default, multi-threaded Eigen), jaxrl-st
-(XLA_FLAGS single-threaded), trl-1t / trl-2t (torch.set_num_threads; trl-1t-nockpt:
-gradient checkpointing off, its own "system" so it never counts as TRL's best), tunix-mt. Per
-variant: s/step = median of steps 2..N (step 1 is warm-up / compile), generation / update
-seconds (medians over the same steps), peak RSS (the child's VmHWM), mean reward of the
-first and last steps, load average before and after. "best" per system: its faster
+Variants: jaxrl-mt (XLA default, multi-threaded Eigen), jaxrl-st (XLA_FLAGS
+single-threaded); trl-{1,2}t[-nockpt][-bf16] (torch.set_num_threads; gradient
+checkpointing on unless -nockpt; -bf16: HF Trainer's bf16 autocast, reported as its own
+system "trl-bf16" beside TRL's best fp32), tunix-mt. Per variant: s/step = median of steps
+2..N (step 1 is warm-up / compile), generation / update seconds (medians over the same
+steps), peak RSS (the child's VmHWM), mean reward of the first and last steps, load average
+before and after, and for jaxrl the compiles in steps 2..N. "best" per system: its faster
 variant.
 
 Benchmark-only installs (not project dependencies):
@@ -17,8 +19,8 @@ Benchmark-only installs (not project dependencies):
     python3.11 -m venv /work/tunixvenv && /work/tunixvenv/bin/pip install google-tunix \
         "jax==0.10.*" "jaxlib==0.10.*"
 
-    python benchmarks/e2e_vs_peers.py --steps 8 --rounds 1 \
-        --json benchmarks/results/e2e-vs-peers-cpu-2026-12-01.json
+    python benchmarks/e2e_vs_peers.py --shape 2x8x24 --steps 6 --rounds 2 \
+        --json benchmarks/results/e2e-vs-peers-cpu-2026-12-03-2x8x24.json
 """
 from __future__ import annotations
 
@@ -36,31 +38,33 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks/peers"
 ST_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+TORCH = pathlib.Path("/work/torchvenv/bin/python")
 VARIANTS = {  # name: (system, python, script, extra args, extra env)
     "jaxrl-mt": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [], {}),
     "jaxrl-st": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [],
                  {"XLA_FLAGS": ST_FLAGS}),
-    "trl-1t": ("trl", pathlib.Path("/work/torchvenv/bin/python"), "trl_grpo.py",
-               ["--threads", "1"], {"OMP_NUM_THREADS": "1"}),
-    "trl-2t": ("trl", pathlib.Path("/work/torchvenv/bin/python"), "trl_grpo.py",
-               ["--threads", "2"], {"OMP_NUM_THREADS": "2"}),
-    "trl-1t-nockpt": ("trl-no-checkpointing", pathlib.Path("/work/torchvenv/bin/python"),
-                      "trl_grpo.py", ["--threads", "1", "--no-gradient-checkpointing"],
-                      {"OMP_NUM_THREADS": "1"}),  # the brief's question: is off faster?
     "tunix-mt": ("tunix", pathlib.Path("/work/tunixvenv/bin/python"), "tunix_grpo.py", [], {}),
 }
-ORDER = ["jaxrl-mt", "trl-1t", "tunix-mt", "jaxrl-st", "trl-2t", "trl-1t-nockpt"]  # alternate
+for _threads in (1, 2):
+    for _ckpt in (True, False):
+        for _bf16 in (False, True):
+            VARIANTS[f"trl-{_threads}t{'' if _ckpt else '-nockpt'}{'-bf16' if _bf16 else ''}"] = (
+                "trl-bf16" if _bf16 else "trl", TORCH, "trl_grpo.py",
+                ["--threads", str(_threads)] + ([] if _ckpt else ["--no-gradient-checkpointing"])
+                + (["--bf16"] if _bf16 else []), {"OMP_NUM_THREADS": str(_threads)})
+ORDER = ["jaxrl-mt", "trl-1t", "trl-2t", "trl-1t-nockpt", "trl-2t-nockpt", "trl-1t-bf16",
+         "trl-2t-bf16", "trl-2t-nockpt-bf16"]  # alternated; tunix-mt, jaxrl-st on request
 
 
 def run_variant(name: str, steps: int, log_dir: pathlib.Path, timeout: float,
-                jaxrl_src: str | None = None) -> dict:
+                jaxrl_src: str | None = None, shape: str = "2x8x24") -> dict:
     """Runs one child to completion; its STEP lines, exit status and load averages.
     jaxrl_src: a directory holding a jaxrl_cache package (e.g. `git archive COMMIT
     jaxrl_cache`) that the jaxrl variants import instead of the working tree."""
     system, python, script, extra, env = VARIANTS[name]
-    if system == "jaxrl" and jaxrl_src:
-        env = {**env, "PYTHONPATH": jaxrl_src}
-    cmd = [str(python), str(PEERS / script), "--steps", str(steps), *extra]
+    if system == "jaxrl":  # the script's directory comes first on sys.path, not the tree's
+        env = {**env, "PYTHONPATH": jaxrl_src or str(ROOT)}
+    cmd = [str(python), str(PEERS / script), "--steps", str(steps), "--shape", shape, *extra]
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     log = log_dir / f"{name}-{int(time.time())}.log"
@@ -102,6 +106,8 @@ def summarise(run: dict) -> dict:
                 reward_first=statistics.mean(r["reward"] for r in rows[:half]),
                 reward_last=statistics.mean(r["reward"] for r in rows[-half:]),
                 reward_steps=[round(r["reward"], 4) for r in rows],
+                compiles_after_step_1=(sum(r["compiles"] for r in timed)
+                                       if "compiles" in timed[0] else None),
                 load_before=run["load_before"], load_after=run["load_after"])
 
 
@@ -127,7 +133,8 @@ def combine(runs: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--shape", default="2x8x24", help="prompts x group x new tokens")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", default=",".join(ORDER), help="comma list, in run order")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
@@ -150,7 +157,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in names:
             print(f"round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
-            run = run_variant(name, args.steps, log_dir, args.timeout, args.jaxrl_src)
+            run = run_variant(name, args.steps, log_dir, args.timeout, args.jaxrl_src,
+                              args.shape)
             run["round"] = first_round + rnd
             runs.append(run)
             s = summarise(run)
@@ -160,20 +168,23 @@ def main() -> None:
                 result = dict(date=str(datetime.date.today()), machine="CPU, 2 cores, shared",
                               platform=platform.platform(), cpus=os.cpu_count(),
                               steps=args.steps, rounds=first_round + args.rounds,
+                              shape=args.shape,
                               st_xla_flags=ST_FLAGS,
-                              workload=_workload(), **combine(runs), runs=runs)
+                              workload=_workload(args.shape), **combine(runs), runs=runs)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(combine(runs)["best"], indent=1))
 
 
-def _workload() -> dict:
+def _workload(shape: str) -> dict:
     sys.path.insert(0, str(PEERS))
     import common
+    common.set_shape(shape)
     return dict(model=common.MODEL, task=str(common.TASK.relative_to(ROOT)),
                 prompts_per_step=common.PROMPTS_PER_STEP, group=common.GROUP,
                 max_new_tokens=common.MAX_NEW_TOKENS, temperature=common.TEMPERATURE,
-                lr=common.LR, prompts="raw text, no chat template; step s: rows 2s, 2s+1",
+                lr=common.LR, prompts="one user message each; every system applies the "
+                "model's chat template",
                 reward="last -?\\d+ of the completion == answer")
 
 

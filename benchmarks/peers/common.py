@@ -1,6 +1,7 @@
 """The workload every peer runs (one definition, imported by each child script): task file,
-reward, sizes, and the per-step JSON line the parent reads. Standard library only, so each
-venv can import it."""
+chat-format prompts (one user message; each system applies the model's chat template),
+reward, sizes (`--shape P x G x T`, `set_shape`), and the per-step JSON line the parent
+reads. Standard library only, so each venv can import it."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,21 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "/root/.cache/jaxrl_cache/SmolLM2-135M-Instruct"
 TASK = ROOT / "examples/tasks/add.jsonl"
-PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS = 2, 8, 24
+PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS = 2, 8, 24  # set_shape changes them
+SHAPES = ("2x8x24", "8x8x128")  # prompts per step x samples per prompt x new tokens
 TEMPERATURE, LR, SEED = 1.0, 2e-5, 0
 INT = re.compile(r"-?\d+")
+
+
+def set_shape(shape: str) -> None:
+    """PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS from "PxGxT"."""
+    global PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS
+    PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS = (int(x) for x in shape.split("x"))
+
+
+def messages(prompt: str) -> list[dict]:
+    """The chat-format prompt every system is given: one user message."""
+    return [{"role": "user", "content": prompt}]
 
 
 def examples() -> list[dict]:

@@ -1,26 +1,24 @@
-"""GRPO with this library (the README's API loop: SyncRollouts + grpo_step, every sample
-audited), on the shared workload of common.py. One `STEP {json}` line per step.
+"""GRPO with this library through the path users run: `jaxrl-cache demo --model ... --task
+...` (the CLI, chat template on, default settings), in this process so each step's compiles
+are counted. One `STEP {json}` line per GRPO step (the demo's own metrics row).
 
-    .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8
-(thread setting: the caller's XLA_FLAGS)."""
+    .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8 --shape 2x8x24
+(thread setting: the caller's XLA_FLAGS). The demo's one-off work (model load, the eval
+before and after, the final checkpoint and export) is outside the steps."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
-import time
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
-from jaxrl_cache import (CacheConfig, RolloutEngine, SamplingParams, TrainConfig,  # noqa: E402
-                         TrainState, from_pretrained, load_tokenizer)
-from jaxrl_cache.rl.loop import PolicyHistory, SyncRollouts, grpo_step  # noqa: E402
-from jaxrl_cache.rl.train import make_optimizer  # noqa: E402
+from jaxrl_cache.app import cli, demo  # noqa: E402
 
 
 class CompileCounter(logging.Handler):
@@ -38,48 +36,39 @@ class CompileCounter(logging.Handler):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--shape", default=common.SHAPES[0], help="prompts x group x new tokens")
     args = p.parse_args()
+    common.set_shape(args.shape)
     compiles = CompileCounter()
     jax.config.update("jax_log_compiles", True)
     logging.getLogger("jax").addHandler(compiles)
     logging.getLogger("jax").propagate = False
-    t_load = time.perf_counter()
-    config, params = from_pretrained(common.MODEL, dtype="float32")
-    tok = load_tokenizer(common.MODEL)
-    # HF Trainer's AdamW defaults (b2 0.999, no weight decay, grad-norm clip 1.0), constant lr
-    state = TrainState.create(params, make_optimizer(b2=0.999, weight_decay=0.0,
-                                                     max_grad_norm=1.0),
-                              config=config, lr_schedule=optax.constant_schedule(common.LR))
-    engine = RolloutEngine(config, CacheConfig(num_pages=256, page_size=16), tokenizer=tok)
-    sampling = SamplingParams(n=common.GROUP, max_new_tokens=common.MAX_NEW_TOKENS,
-                              temperature=common.TEMPERATURE, stop_token_ids=tok.stop_token_ids)
+    grpo_step = demo.grpo_step
 
-    def prompts(call):  # raw prompt text, no chat template (as for every peer)
-        rows = common.step_examples(call)
-        return [tok.encode(r["prompt"]) for r in rows], [r["answer"] for r in rows]
-
-    def reward(answers, sample, text):
-        return common.reward(text, answers[sample.group])
-
-    rollouts = SyncRollouts(engine, prompts, sampling, calls=1,
-                            key=jax.random.key(common.SEED))
-    history = PolicyHistory(lag=0)
-    history.add(0, state.params)
-    train = TrainConfig(mini_batches=1, token_budget=4096, loss_type="dapo", donate=True)
-    print(f"loaded in {time.perf_counter() - t_load:.1f} s; devices {jax.devices()}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", file=sys.stderr)
-    for step in range(args.steps):
+    def timed_step(step, *a, **kw):  # the demo's own step, its record re-emitted
         before = len(compiles.names)
-        result = grpo_step(step, state, rollouts, reward, decode=tok.decode, history=history,
-                           train=train, audit_samples=None)
-        state = result.state
+        result = grpo_step(step, *a, **kw)
         r = result.record
         common.emit(step=step, seconds=r["step_seconds"], generation_seconds=r["rollout_seconds"],
                     update_seconds=r["train_seconds"], audit_seconds=r["audit_seconds"],
                     sync_seconds=r["publish_seconds"], reward=r["reward"],
                     generated_tokens=r["generated_tokens"], audited=r["audited_samples"],
+                    logprob_mismatch_max=r["logprob_mismatch_max"],
                     compiles=len(compiles.names) - before, compiled=compiles.names[before:],
                     peak_rss_mib=common.peak_rss_mib())
+        return result
+
+    demo.grpo_step = timed_step
+    out = tempfile.mkdtemp(prefix="jaxrl_grpo_")
+    argv = ["demo", "--model", common.MODEL, "--task", str(common.TASK),
+            "--answer-regex", r"(-?\d+)", "--steps", str(args.steps),
+            "--prompts-per-step", str(common.PROMPTS_PER_STEP),
+            "--group-size", str(common.GROUP), "--max-new-tokens", str(common.MAX_NEW_TOKENS),
+            "--temperature", str(common.TEMPERATURE), "--lr", str(common.LR),
+            "--warmup-steps", "0", "--seed", str(common.SEED), "--eval-prompts", "2",
+            "--checkpoint-every", str(args.steps + 1), "--out", out]
+    print("jaxrl-cache " + " ".join(argv), file=sys.stderr, flush=True)
+    sys.exit(cli.main(argv))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 of common.py. One `STEP {json}` line per optimizer step. Benchmark-only dependency:
 
     /work/torchvenv/bin/pip install trl datasets     # keep torch as it is (pip list | grep torch)
-    /work/torchvenv/bin/python benchmarks/peers/trl_grpo.py --steps 8 --threads 1
+    /work/torchvenv/bin/python benchmarks/peers/trl_grpo.py --steps 8 --threads 1 \
+        [--shape 2x8x24] [--bf16] [--no-gradient-checkpointing]
+
+Prompts are conversational (common.messages), so TRL applies the model's chat template, as
+the CLI of this library does. --bf16: HF Trainer's bf16 (autocast on CPU: AMX matmuls).
 """
 from __future__ import annotations
 
@@ -45,15 +49,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--shape", default=common.SHAPES[0], help="prompts x group x new tokens")
     args = p.parse_args()
+    common.set_shape(args.shape)
     torch.set_num_threads(args.threads)
     torch.manual_seed(common.SEED)
     rows = common.examples()
-    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    data = Dataset.from_list([{"prompt": common.messages(r["prompt"]), "answer": r["answer"]}
+                              for r in rows])
     timer = StepTimer([])
 
-    def reward(prompts, completions, answer, **kw):  # raw text prompts -> str completions
-        out = [common.reward(c, a) for c, a in zip(completions, answer)]
+    def reward(prompts, completions, answer, **kw):  # chat prompts -> [assistant message]
+        out = [common.reward(c[0]["content"], a) for c, a in zip(completions, answer)]
         timer.rewards.extend(out)
         return out
 
@@ -65,7 +73,7 @@ def main() -> None:
         max_completion_length=common.MAX_NEW_TOKENS, temperature=common.TEMPERATURE,
         learning_rate=common.LR, lr_scheduler_type="constant", warmup_steps=0,
         num_iterations=1, beta=0.0, loss_type="dapo", shuffle_dataset=False,
-        gradient_checkpointing=not args.no_gradient_checkpointing, use_cpu=True, bf16=False,
+        gradient_checkpointing=not args.no_gradient_checkpointing, use_cpu=True, bf16=args.bf16,
         logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
         seed=common.SEED, model_init_kwargs={"dtype": torch.float32})
     trainer = GRPOTrainer(model=common.MODEL, reward_funcs=reward, args=config,
@@ -80,7 +88,8 @@ def main() -> None:
 
     trainer._generate_and_score_completions = timed_generate
     print(f"torch {torch.__version__} threads {torch.get_num_threads()}; gradient "
-          f"checkpointing {config.gradient_checkpointing}; optim {config.optim}", file=sys.stderr)
+          f"checkpointing {config.gradient_checkpointing}; bf16 {config.bf16}; optim "
+          f"{config.optim}; shape {args.shape}", file=sys.stderr)
     trainer.train()
 
 

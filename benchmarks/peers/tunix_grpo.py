@@ -76,7 +76,9 @@ class Timer:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--shape", default=common.SHAPES[0], help="prompts x group x new tokens")
     args = p.parse_args()
+    common.set_shape(args.shape)
     # Auto axes: jax 0.10's make_mesh defaults to Explicit, which tunix's embedding gather
     # rejects (ShardingTypeError)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"),
@@ -85,7 +87,11 @@ def main() -> None:
     model = llama_params.create_model_from_safe_tensors(common.MODEL, config, mesh,
                                                         dtype=jnp.float32)
     tok = transformers.AutoTokenizer.from_pretrained(common.MODEL)
-    prompt_len = max(len(tok.encode(r["prompt"])) for r in common.examples())
+    def chat(prompt):  # the chat template as text (tunix tokenizes prompts itself)
+        return tok.apply_chat_template(common.messages(prompt), tokenize=False,
+                                       add_generation_prompt=True)
+
+    prompt_len = max(len(tok.encode(chat(r["prompt"]))) for r in common.examples())
     timer = Timer()
 
     def reward(prompts, completions, answer, **kw):
@@ -128,7 +134,7 @@ def main() -> None:
 
     learner._run_global_step = step
     rows = common.examples()
-    data = [{"prompts": np.array([r["prompt"] for r in common.step_examples(s)]),  # [B] str
+    data = [{"prompts": np.array([chat(r["prompt"]) for r in common.step_examples(s)]),  # [B] str
              "answer": np.array([r["answer"] for r in common.step_examples(s)])}  # [B] str
             for s in range(args.steps)]  # tunix repeats each leaf G times: arrays, not lists
     print(f"tunix loaded; devices {jax.devices()}; {len(rows)} task rows", file=sys.stderr)
