@@ -144,6 +144,7 @@ def main() -> None:
                         "instead of the working tree, which others may be editing")
     p.add_argument("--append", action="store_true",
                    help="add these runs to the runs already in --json")
+    p.add_argument("--md", default=None, help="also write a markdown table of the runs here")
     args = p.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -174,6 +175,41 @@ def main() -> None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(combine(runs)["best"], indent=1))
+    if args.md:
+        pathlib.Path(args.md).write_text(markdown(runs, args.shape, args.steps))
+
+
+def markdown(runs: list[dict], shape: str, steps: int) -> str:
+    """Per variant: s/step (median over its rounds, each the median of steps 2..N), the
+    phases, peak RSS, compiles after step 1; then each system's best and the ratios."""
+    table = combine(runs)
+    out = [f"# GRPO end to end vs peers, shape {shape} (prompts x group x new tokens), CPU "
+           f"({datetime.date.today()})", "",
+           f"SmolLM2-135M-Instruct, add.jsonl as chat prompts, {steps} steps per run (step 1 "
+           "excluded), rounds alternated; `python benchmarks/e2e_vs_peers.py` (docstring).",
+           "", "| variant | s/step per round | generation s | update s | peak RSS GiB | "
+           "compiles after step 1 |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, entry in table["variants"].items():
+        rounds = [r for r in entry["rounds"] if r.get("s_per_step") is not None]
+        if not rounds:
+            out.append(f"| {name} | failed ({entry['rounds'][0].get('rc')}) | | | | |")
+            continue
+        def fmt(key):
+            return " / ".join(f"{r[key]:.2f}" for r in rounds if r.get(key) is not None)
+
+        compiles = [r.get("compiles_after_step_1") for r in rounds]
+        out.append(f"| {name} | {fmt('s_per_step')} | {fmt('generation_seconds')} | "
+                   f"{fmt('update_seconds')} | "
+                   f"{max(r['peak_rss_mib'] for r in rounds) / 1024:.2f} | "
+                   f"{' / '.join(map(str, compiles)) if None not in compiles else '-'} |")
+    best = table["best"]
+    out += ["", "Best per system (median over rounds): " + ", ".join(
+        f"{s} {v['variant']} {v['s_per_step']:.2f} s/step" for s, v in best.items())]
+    if "jaxrl" in best:
+        ours = best["jaxrl"]["s_per_step"]
+        out.append("; ".join(f"{s}/jaxrl = {v['s_per_step'] / ours:.2f}x" for s, v in best.items()
+                             if s != "jaxrl") + " (above 1: this library is faster)")
+    return "\n".join(out) + "\n"
 
 
 def _workload(shape: str) -> dict:

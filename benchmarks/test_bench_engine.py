@@ -10,7 +10,8 @@ import pytest
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, lm_logits
 from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
-from jaxrl_cache.rl.train import TrainState, make_batch, train_step
+from jaxrl_cache.rl.batch import make_batch
+from jaxrl_cache.rl.train import TrainState, train_step
 from benchmarks.timing import timed
 
 pytestmark = pytest.mark.slow

@@ -121,7 +121,9 @@ def run_point(model: str, n: int, length: int, steps: int, donate: bool,
 
     from jaxrl_cache.models.config import ModelConfig
     from jaxrl_cache.models.llama import init_params
-    from jaxrl_cache.rl.train import TrainConfig, TrainState, make_batch, pack_batch, train_step
+    from jaxrl_cache.rl.batch import make_batch, pack_batch
+    from jaxrl_cache.rl.train import TrainState, train_step
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     config = ModelConfig(**MODELS[model])
     params = init_params(config, jax.random.key(0))
@@ -166,7 +168,8 @@ def grpo_packing(prompts: int = 32, group: int = 8, max_new: int = 1024, seed: i
                  mini_batches=(1, 4)) -> list[dict]:
     """Computed / real tokens of `pack_batch` on a GRPO batch with random prompt (16-128)
     and output (1-max_new, uniform) lengths, default token budget (host only)."""
-    from jaxrl_cache.rl.train import TrainConfig, make_batch, pack_batch
+    from jaxrl_cache.rl.batch import make_batch, pack_batch
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -295,7 +298,7 @@ def main(argv=None) -> None:
                                    " --xla_cpu_multi_thread_eigen=false").strip()
     import jax
 
-    from jaxrl_cache.rl.train import TrainConfig
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     if args.append and args.json and args.json.exists():
         result = json.loads(args.json.read_text())

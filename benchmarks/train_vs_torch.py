@@ -75,7 +75,9 @@ def run_ours(n: int, length: int, steps: int, remat: str) -> dict:
 
     from jaxrl_cache.models import from_pretrained
     from jaxrl_cache.rl.logprobs import next_token_log_probs
-    from jaxrl_cache.rl.train import TrainConfig, TrainState, make_batch, train_step
+    from jaxrl_cache.rl.batch import make_batch
+    from jaxrl_cache.rl.train import TrainState, train_step
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     config, params = from_pretrained(MODEL, dtype="float32")
     rollouts, tokens, adv = _tokens_and_advantages(n, length, config.vocab_size)
@@ -108,7 +110,8 @@ def profile_ours(n: int, length: int, remats: list[str]) -> dict:
     from jaxrl_cache.models import from_pretrained
     from jaxrl_cache.models.llama import hidden_states
     from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
-    from jaxrl_cache.rl.train import TrainConfig, make_batch, pack_batch
+    from jaxrl_cache.rl.batch import make_batch, pack_batch
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     config, params = from_pretrained(MODEL, dtype="float32")
     rollouts, _, adv = _tokens_and_advantages(n, length, config.vocab_size)

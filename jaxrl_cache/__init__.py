@@ -13,8 +13,9 @@ from jaxrl_cache.rl.audit import AuditReport, audit_attribution
 from jaxrl_cache.rl.checkpoint import (CheckpointError, latest_checkpoint_version,
                                        restore_checkpoint, save_checkpoint)
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.train import (TrainBatch, TrainConfig, TrainState, make_batch, make_optimizer,
-                                  train_step)
+from jaxrl_cache.rl.batch import TrainBatch, make_batch
+from jaxrl_cache.rl.train import TrainState, make_optimizer, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout import (CacheConfig, Produced, RolloutBatch, RolloutEngine,
                                  RolloutWorker, Sample, SampleBuffer, SamplingParams,
                                  SchedulerConfig, WeightAck)

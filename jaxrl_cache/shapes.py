@@ -1,5 +1,5 @@
 """Shape buckets: few distinct shapes (so steady use compiles nothing new), little padding."""
-from kernels_pallas._common import next_power_of_2
+from kernels_pallas import next_power_of_2
 
 
 def bucket(n: int, step: int) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 from jaxrl_cache.errors import VersionError
 
 MAX_VERSION = 2**31 - 1  # int32 max: TrainState.version is int32
+MAX_POLICY_LAG = 1024  # an engine's reconcile walks the window's versions: O(lag)
 
 
 def as_version(value, name: str = "version") -> int:

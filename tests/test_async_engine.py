@@ -325,7 +325,7 @@ def test_a_sync_during_a_newer_call_supersedes_its_version():
 
 
 def test_the_engine_policy_lag_is_bounded():
-    from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
+    from jaxrl_cache.versioning import MAX_POLICY_LAG
     with pytest.raises(ValueError, match="max_policy_lag"):
         RolloutEngine(CONFIG, max_policy_lag=MAX_POLICY_LAG + 1)
     small = CacheConfig(num_pages=8, page_size=4)

@@ -15,7 +15,9 @@ from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
 from jaxrl_cache.rl.packing import balanced_parts
-from jaxrl_cache.rl.train import TrainConfig, TrainState, make_batch, pack_batch, train_step
+from jaxrl_cache.rl.batch import make_batch, pack_batch
+from jaxrl_cache.rl.train import TrainState, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import Episode, EpisodeBatch, RolloutBatch, WeightAck
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params

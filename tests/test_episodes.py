@@ -352,7 +352,7 @@ def test_grpo_steps_on_episodes(mode):
     every sampled token, and advances one version per update, in both modes."""
     from jaxrl_cache import TrainState
     from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-    from jaxrl_cache.rl.train import TrainConfig
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     class Varied(TokenEnv):
         def step(self, action):  # a reward that differs within a group

@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 from jaxrl_cache.app.demo import builtin_model_config
 from jaxrl_cache.models import init_params
 from jaxrl_cache.rl.audit import AUDIT_TOLERANCE, audit_attribution
-from jaxrl_cache.rl.train import TrainState, make_batch, train_step
+from jaxrl_cache.rl.batch import make_batch
+from jaxrl_cache.rl.train import TrainState, train_step
 from jaxrl_cache.rollout.engine import RolloutEngine
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig

@@ -23,7 +23,8 @@ import pytest
 from jaxrl_cache.models import forward, from_pretrained, load_tokenizer, save_pretrained
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.logprobs import next_token_log_probs
-from jaxrl_cache.rl.train import TrainState, make_batch, train_step
+from jaxrl_cache.rl.batch import make_batch
+from jaxrl_cache.rl.train import TrainState, train_step
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from jaxrl_cache.shapes import bucket
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl_cache.rollout import scheduler
+from jaxrl_cache.rollout import runner, scheduler
 from jaxrl_cache.rollout.scheduler import Row
 from jaxrl_cache.shapes import page_width_bucket
 
@@ -26,7 +26,7 @@ def test_slot_bucket_covers_every_occupied_slot(occupied):
     1-row decode that copies the pool) and never more than the slots (or 2), and it takes
     one of few values (2 or a power of 4) unless capped at the slot count."""
     slots = [object() if o else None for o in occupied]
-    rows = scheduler.slot_bucket(slots)
+    rows = runner.slot_bucket(slots)
     assert all(i < rows for i, s in enumerate(slots) if s is not None)
     assert 2 <= rows <= max(len(slots), 2)
     assert rows in (2, len(slots)) or (rows & (rows - 1) == 0 and rows.bit_length() % 2 == 1)
@@ -85,7 +85,7 @@ def test_pack_prefill_packs_tails_and_copies_partial_pages():
                               np.arange(10, 13, dtype=np.int32), 2, 3, PS)
     b = scheduler.layout_unit(1, (9, 9, 9, 9), 2, np.zeros(0, np.int32),
                               np.array([30, 31], np.int32), 1, 3, PS)
-    arrays = scheduler.pack_prefill([(a, [3, 0]), (b, [1])], num_tokens=16, num_seqs=4,
+    arrays = runner.pack_prefill([(a, [3, 0]), (b, [1])], num_tokens=16, num_seqs=4,
                                     width=8, num_slots=4, page_size=PS)
     # unit a: cached 4 tokens, computes 6 (positions 4..9); unit b computes its 4 tokens
     assert arrays.tokens[:10].tolist() == list(range(5, 11)) + [9, 9, 9, 9]
@@ -108,7 +108,7 @@ def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     running = Row(index=1, group=0, prompt=(1, 2, 3), pages=np.array([4, 6], np.int32),
                   cached_tokens=0, max_new=5, fresh=False, tokens=[7, 8], logprobs=[-1.0, -2.0])
     slots = [fresh, None, running]
-    arrays = scheduler.pack_decode(slots, width=4)
+    arrays = runner.pack_decode(slots, width=4)
     assert arrays.fresh.tolist() == [True, False, False]
     assert arrays.position.tolist() == [3, 0, 4]  # fresh: prompt length; running: its last
     assert arrays.last_token.tolist() == [0, 0, 8]
@@ -117,9 +117,9 @@ def test_pack_decode_and_apply_chunk_track_positions_and_finish():
     assert arrays.page_table[2].tolist() == [4, 6, 0, 0]
     assert arrays.shared_pages.size == 0
     # page 4 is both rows' first page and neither writes it (positions 3, 4 >= page size 2)
-    assert scheduler.shared_prefix(slots, page_size=2) == 1
-    assert scheduler.shared_prefix(slots, page_size=4) == 0  # row 0 writes page 4 next
-    cut = scheduler.pack_decode(slots, width=4, shared=1)
+    assert runner.shared_prefix(slots, page_size=2) == 1
+    assert runner.shared_prefix(slots, page_size=4) == 0  # row 0 writes page 4 next
+    cut = runner.pack_decode(slots, width=4, shared=1)
     assert cut.shared_pages.tolist() == [4] and cut.page_table[[0, 2]].tolist() == [
         [5, 0, 0], [6, 0, 0]]
     tokens = np.array([[9, 9, 0], [0, 0, 0], [1, 2, 3]], np.int32)
@@ -141,17 +141,17 @@ def test_resumed_row_re_prefills_its_context_and_continues_its_stream():
     row = Row(index=5, group=2, prompt=(1, 2, 3), pages=np.zeros(0, np.int32),
               cached_tokens=0, max_new=8, fresh=False, tokens=[7, 8, 9], logprobs=[-1.0] * 3,
               resume=True)
-    assert scheduler.pack_decode([row], width=4).budget.tolist() == [0]
+    assert runner.pack_decode([row], width=4).budget.tolist() == [0]
     # context 6 tokens, 8 - 3 = 5 more to emit: pages for 6 + 5 - 1 = 10 positions at page 4
     matched = np.array([11], np.int32)  # first 4 context tokens cached
     unit = scheduler.resume_unit(row, matched, np.array([12, 13], np.int32), 4)
     assert unit.prompt == (1, 2, 3, 7, 8, 9) and unit.cached_tokens == 4
     assert unit.new_tokens == 2 and unit.rows == (row,)
     assert row.pages.tolist() == [11, 12, 13] and row.fresh and not row.resume
-    arrays = scheduler.pack_decode([row], width=4)
+    arrays = runner.pack_decode([row], width=4)
     assert arrays.fresh.tolist() == [True] and arrays.position.tolist() == [6]
     assert arrays.emitted.tolist() == [3] and arrays.budget.tolist() == [5]
-    prefill = scheduler.pack_prefill([(unit, [0])], 4, 1, 4, 1, 4)
+    prefill = runner.pack_prefill([(unit, [0])], 4, 1, 4, 1, 4)
     assert prefill.tokens[:2].tolist() == [8, 9] and prefill.token_pos[:2].tolist() == [4, 5]
     assert prefill.kv_lens.tolist() == [6] and prefill.logit_slot.tolist() == [1]
     with pytest.raises(ValueError, match="fresh pages"):

@@ -13,8 +13,9 @@ import pytest
 from jaxrl_cache.rl import audit
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
-from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState, make_batch,
-                                  train_step)
+from jaxrl_cache.rl.batch import make_batch
+from jaxrl_cache.rl.train import AttributionFailure, TrainState, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.engine import RolloutEngine
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings, strategies as st
 from jaxrl_cache.models import from_pretrained, load_tokenizer
 from jaxrl_cache.models.tokenizer import Tokenizer
 from jaxrl_cache.rl.audit import audit_attribution
-from jaxrl_cache.rl.train import make_batch
+from jaxrl_cache.rl.batch import make_batch
 from jaxrl_cache.rollout import (CacheConfig, RolloutEngine, SamplingParams,
                                  SchedulerConfig)
 from jaxrl_cache.rollout.scheduler import Row

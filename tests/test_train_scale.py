@@ -11,12 +11,13 @@ import pytest
 
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.models.llama import forward
-from jaxrl_cache.rl import train
+from jaxrl_cache.rl import memory, train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
 from jaxrl_cache.rl.packing import SHAPE_REUSE, balanced_parts, plan, scored_columns
-from jaxrl_cache.rl.train import (TrainConfig, TrainMemoryError, TrainState, check_memory,
-                                  estimate_step_bytes, group_advantages_no_std, make_batch,
-                                  optimizer_counts, pack_batch, train_step)
+from jaxrl_cache.rl.batch import group_advantages_no_std, make_batch, pack_batch
+from jaxrl_cache.rl.memory import TrainMemoryError, check_memory, estimate_step_bytes
+from jaxrl_cache.rl.train import TrainState, optimizer_counts, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs, filter_kind
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
@@ -352,7 +353,7 @@ def test_a_step_that_cannot_fit_says_so_before_any_work(monkeypatch):
     rollouts = rollout(varied_params(0), sp, groups=1)
     batch = make_batch(rollouts, rewards(rollouts))
     state = _state()
-    monkeypatch.setattr(train, "available_bytes", lambda: 1024)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1024)
     with pytest.raises(TrainMemoryError, match="lower token_budget|state alone"):
         train_step(state, batch)
     assert int(state.version) == 0

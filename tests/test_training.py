@@ -16,8 +16,8 @@ from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rl.logprobs import next_token_log_probs
-from jaxrl_cache.rl.train import (TrainState, group_advantages, make_batch, optimizer_counts,
-                                  train_step)
+from jaxrl_cache.rl.batch import group_advantages, make_batch
+from jaxrl_cache.rl.train import TrainState, optimizer_counts, train_step
 from tests.helpers import CONFIG, varied_params
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 10)
@@ -266,7 +266,8 @@ def test_train_and_audit_compile_once_per_shape(engine):
     once more; new is_cap values, clip values, versions and per-token version patterns
     (audited per version) compile nothing."""
     from jaxrl_cache.rl import logprobs, train
-    from jaxrl_cache.rl.train import TrainConfig, pack_batch
+    from jaxrl_cache.rl.batch import pack_batch
+    from jaxrl_cache.rl.train_config import TrainConfig
     state = TrainState.create(varied_params(0), config=CONFIG, lr_schedule=SCHEDULE)
     rollouts = [engine.rollout(state.params, 0, PROMPTS[:1], SamplingParams(
         n=n, max_new_tokens=5, temperature=1.0), rng=jax.random.key(k)) for k, n in enumerate((8, 8, 8))]
@@ -314,7 +315,7 @@ def test_sync_loop_trains_while_the_engine_holds_no_weights(engine, state, monke
     """SyncRollouts releases the engine's copy after its calls: the trainer's update runs
     with the only copy of the params (peak memory), and the publish brings them back."""
     from jaxrl_cache.rl import loop
-    from jaxrl_cache.rl.train import TrainConfig
+    from jaxrl_cache.rl.train_config import TrainConfig
 
     seen = []
 

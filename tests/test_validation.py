@@ -15,8 +15,9 @@ from jaxrl_cache.errors import (CacheFullError, PinnedPagesError, StalenessError
                                 VersionError)
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from jaxrl_cache.rl.train import (NonFiniteUpdate, TrainConfig, TrainState, make_batch,
-                                  optimizer_counts, train_step)
+from jaxrl_cache.rl.batch import make_batch
+from jaxrl_cache.rl.train import NonFiniteUpdate, TrainState, optimizer_counts, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig, RolloutBatch, Sample, SchedulerConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version

@@ -55,7 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
                               "after the current step and saves; --resume continues."))
     from jaxrl_cache.app.demo import DemoOptions
     d = DemoOptions()
-    add = demo.add_argument
+    _policy_arguments(demo.add_argument_group("policy and task").add_argument)
+    _grpo_arguments(demo.add_argument_group("warm start and GRPO").add_argument, d)
+    _trainer_arguments(demo.add_argument_group("train step").add_argument, d)
+    _engine_arguments(demo.add_argument_group("rollout engine").add_argument, d)
+    _run_arguments(demo.add_argument_group("run directory").add_argument, d)
+    bench = sub.add_parser("bench", help="run the CPU benchmark suite and print its figures",
+                           description="Runs benchmarks/ with pytest-benchmark and prints a "
+                                       "table of the figures (ratios measured side by side).")
+    bench.add_argument("--quick", action="store_true",
+                       help="only the fast benchmarks (cache bookkeeping and kernels)")
+    bench.add_argument("--json", metavar="PATH", help="also write pytest-benchmark's JSON here")
+    return parser
+
+
+def _policy_arguments(add) -> None:
     add("--model", metavar="PATH", help="start from this Hugging Face model directory "
         "(config.json, safetensors, tokenizer.json; Llama/Mistral/Qwen2/Qwen3) instead of the "
         "built-in model; prompts use its chat template if it has one")
@@ -70,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         "REGEX in the completion (its first group if any) equals the answer, else 0 "
         "(GSM8K style: '####\\s*(-?[\\d.,]+)'); default: exact match of the whole "
         "completion (whitespace stripped)")
+
+
+def _grpo_arguments(add, d) -> None:
     add("--steps", type=_positive_int, default=d.steps,
         help="GRPO steps (= final policy version) [%(default)s]")
     add("--sft-steps", type=_natural_int, default=None,
@@ -100,9 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-prompts", type=_positive_int, default=d.eval_prompts,
         help="fixed prompts scored (exact match, one sample each) before and after GRPO "
              "[%(default)s]")
-    add("--checkpoint-every", type=_positive_int, default=d.checkpoint_every,
-        help="save a checkpoint every k GRPO steps (also at the end and on Ctrl-C/SIGTERM; "
-             "a kill -9 loses at most k steps) [%(default)s]")
+
+
+def _trainer_arguments(add, d) -> None:
+    add("--correction", choices=["none", "decoupled"], default=d.correction,
+        help="off-policy correction of the train step: PPO-clip against the behavior "
+             "logprobs, or decoupled PPO (clip against the proximal logprobs: the params "
+             "before the step's first update; importance weights proximal/behavior "
+             "truncated at 2). Its clip binds only with --mini-batches > 1 [%(default)s]")
+    add("--mini-batches", type=_positive_int, default=d.mini_batches,
+        help="optimizer updates per GRPO step: the step's samples split into this many "
+             "parts, one update (one policy version) each [%(default)s]")
+    add("--token-budget", type=_positive_int, default=d.token_budget,
+        help="tokens per training micro-batch: the trainer's activation memory is set by it, "
+             "not by the batch (gradients accumulate over micro-batches) [%(default)s]")
+    add("--loss-type", choices=["dapo", "grpo", "dr_grpo"], default=d.loss_type,
+        help="loss aggregation (TRL's names): token mean, mean of per-sequence token means, "
+             "or token sum / (sequences x max new tokens) [%(default)s]")
+
+
+def _engine_arguments(add, d) -> None:
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
         help="KV pool size in pages of 8 tokens [sized from the job: every sample of a "
              "rollout call (or the eval) at its longest, at least 512 pages, at most half "
@@ -129,33 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the rollout engine tensor-parallel over the next E; every weight sync reshards "
         "between them (bytes and time per sync are reported). On CPU, simulate devices with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=8 [one device]")
-    add("--correction", choices=["none", "decoupled"], default=d.correction,
-        help="off-policy correction of the train step: PPO-clip against the behavior "
-             "logprobs, or decoupled PPO (clip against the proximal logprobs: the params "
-             "before the step's first update; importance weights proximal/behavior "
-             "truncated at 2). Its clip binds only with --mini-batches > 1 [%(default)s]")
-    add("--mini-batches", type=_positive_int, default=d.mini_batches,
-        help="optimizer updates per GRPO step: the step's samples split into this many "
-             "parts, one update (one policy version) each [%(default)s]")
-    add("--token-budget", type=_positive_int, default=d.token_budget,
-        help="tokens per training micro-batch: the trainer's activation memory is set by it, "
-             "not by the batch (gradients accumulate over micro-batches) [%(default)s]")
-    add("--loss-type", choices=["dapo", "grpo", "dr_grpo"], default=d.loss_type,
-        help="loss aggregation (TRL's names): token mean, mean of per-sequence token means, "
-             "or token sum / (sequences x max new tokens) [%(default)s]")
+
+
+def _run_arguments(add, d) -> None:
+    add("--checkpoint-every", type=_positive_int, default=d.checkpoint_every,
+        help="save a checkpoint every k GRPO steps (also at the end and on Ctrl-C/SIGTERM; "
+             "a kill -9 loses at most k steps) [%(default)s]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options "
              "(only --steps may change); metrics.jsonl is cut to the checkpoint's steps")
     add("--overwrite", action="store_true",
         help="replace the previous run in --out (its demo files only)")
-    bench = sub.add_parser("bench", help="run the CPU benchmark suite and print its figures",
-                           description="Runs benchmarks/ with pytest-benchmark and prints a "
-                                       "table of the figures (ratios measured side by side).")
-    bench.add_argument("--quick", action="store_true",
-                       help="only the fast benchmarks (cache bookkeeping and kernels)")
-    bench.add_argument("--json", metavar="PATH", help="also write pytest-benchmark's JSON here")
-    return parser
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:

@@ -26,10 +26,10 @@ unless --resume or --overwrite.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import signal
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +49,12 @@ from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkp
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.train import (TrainConfig, TrainState, available_bytes, check_memory,
-                                  estimate_step_bytes, make_optimizer)
+from jaxrl_cache.rl.memory import available_bytes, check_memory, estimate_step_bytes
+from jaxrl_cache.rl.train import TrainState, make_optimizer
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
-from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
 from jaxrl_cache.rollout.scheduler import pages_for
-from jaxrl_cache.versioning import MAX_VERSION
+from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
 
 MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
@@ -477,6 +477,67 @@ def run_demo(opts: DemoOptions) -> dict:
     """Runs (or resumes) the demo; returns the summary. See the module doc."""
     t_start = time.perf_counter()
     opts, run, record, task, layout = _prepare(opts)
+    loaded = _load_policy(opts, run, record, task, layout)
+    train = _train_config(opts, async_rollouts=opts.async_rollouts)
+    lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
+    placement = loaded.placement
+    engine = RolloutEngine(loaded.config, CacheConfig(num_pages=opts.kv_pages,
+                                                      page_size=PAGE_SIZE),
+                           scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
+                           backend=opts.backend, version=loaded.start_version,
+                           kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
+                           max_policy_lag=lag, tokenizer=loaded.tokenizer,
+                           **({} if placement is None else placement.engine_kwargs()))
+    seed_key = jax.random.key(opts.seed)
+    record = loaded.record
+
+    def evaluate(state) -> float:
+        return _evaluate(engine, state.params, int(state.version), loaded.tokenizer, task, opts,
+                         loaded.sampling, jax.random.fold_in(seed_key, 2**30))
+
+    if "sft_exact_match" not in record:
+        record["sft_exact_match"] = evaluate(loaded.state)
+        run.write_record(record)
+    tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
+               f"{record['sft_exact_match']:.3f}")
+    start_step = loaded.start_version // train.updates
+    source = _prompt_source(opts, task, loaded.tokenizer)
+    rollouts = _rollouts(opts, engine, source, loaded.sampling, lag, seed_key, loaded.state,
+                         start_step)
+    state, rows, stop, buffer_metrics = _grpo_loop(
+        opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step)
+    rl_exact = None if stop.requested else evaluate(state)
+    exported = save_pretrained(run.path / "final_model", loaded.config, state.params,
+                               tokenizer=loaded.tokenizer)
+    warm_started = _sft_steps(opts) > 0
+    title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"
+    if rows:
+        _plot(rows, run.path / PLOT, title, record["sft_exact_match"],
+              "after SFT" if warm_started else "before GRPO")
+    return _summary(opts, task, loaded, rows, start_step, state, record, rl_exact,
+                    warm_started, train, buffer_metrics, run, exported, stop,
+                    time.perf_counter() - t_start)
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """What a run starts GRPO from: its record, the policy and how it is placed."""
+    record: dict
+    policy: pathlib.Path
+    config: ModelConfig
+    tokenizer: object
+    sampling: SamplingParams
+    state: TrainState
+    placement: object  # app.mesh_layout's placement, or None (one device)
+    devices: str
+    start_version: int
+    rows: list  # the metrics rows of the steps run before (a resumed run)
+
+
+def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
+                 layout) -> _Loaded:
+    """A fresh run: its record, the initial policy (warm start) and checkpoint 0; a resumed
+    one: its record, checkpoint and rows. A fresh run that fails here leaves nothing."""
     start_version = None if record is None else latest_checkpoint_version(run.checkpoints)
     fresh = start_version is None  # a new run (or one killed before its first checkpoint)
     try:
@@ -514,28 +575,24 @@ def run_demo(opts: DemoOptions) -> dict:
         if fresh:  # nothing to resume yet: leave no run behind, so the command can run again
             run.clear()
         raise
-    train = _train_config(opts, async_rollouts=opts.async_rollouts)
-    lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
-    engine = RolloutEngine(config, CacheConfig(num_pages=opts.kv_pages, page_size=PAGE_SIZE),
-                           scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
-                           backend=opts.backend, version=start_version,
-                           kv_policy=opts.kv_policy if opts.async_rollouts else "wait",
-                           max_policy_lag=lag, tokenizer=tokenizer,
-                           **({} if placement is None else placement.engine_kwargs()))
-    seed_key = jax.random.key(opts.seed)
-    if "sft_exact_match" not in record:
-        record["sft_exact_match"] = _evaluate(engine, state.params, start_version, tokenizer,
-                                              task, opts, sampling,
-                                              jax.random.fold_in(seed_key, 2**30))
-        run.write_record(record)
-    tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
-               f"{record['sft_exact_match']:.3f}")
+    return _Loaded(record, policy, config, tokenizer, sampling, state, placement, devices,
+                   start_version, rows)
 
+
+@dataclasses.dataclass(frozen=True)
+class _PromptSource:
+    prompts_of: Callable  # call -> (prompts, examples)
+    reward: Callable | None  # (examples, sample, text) -> float; None: episode returns
+    exact: Callable  # (examples, sample, text) -> bool
+    episodes: dict | None  # rollout_episodes keyword arguments (--env)
+
+
+def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
+    """The call-th rollout call's prompts (--env: the examples are the tasks) and examples
+    (step call // rollout_calls), and how a completion is scored."""
     per_call = opts.prompts_per_step // opts.rollout_calls
 
     def prompts_of(call: int):
-        """The call-th rollout call's prompts (--env: the examples are the tasks) and
-        examples: step call // rollout_calls."""
         step, part = divmod(call, opts.rollout_calls)
         examples = task.sample(np.random.default_rng([opts.seed, 0, step]),
                                opts.prompts_per_step)[part * per_call:(part + 1) * per_call]
@@ -552,40 +609,39 @@ def run_demo(opts: DemoOptions) -> dict:
         return task.reward(text, examples[sample.group].answer) == 1.0
 
     episodes = dict(env_factory=CalculatorEnv, max_turns=MAX_TURNS) if opts.env else None
+    return _PromptSource(prompts_of, None if opts.env else reward, exact, episodes)
 
-    start_step = start_version // train.updates
-    history = PolicyHistory(lag)
-    history.add(start_version, state.params)
-    rollouts = (AsyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
-                              max_policy_lag=lag, key=jax.random.fold_in(seed_key, 2**31 - 1),
-                              state=state, first_call=start_step * opts.rollout_calls,
-                              episodes=episodes)
-                if opts.async_rollouts else
-                SyncRollouts(engine, prompts_of, sampling, calls=opts.rollout_calls,
-                             key=seed_key, episodes=episodes))
+
+def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: int, seed_key,
+              state, start_step: int):
+    """SyncRollouts, or AsyncRollouts (--async) continuing the run's sequence of calls."""
+    if opts.async_rollouts:
+        return AsyncRollouts(engine, source.prompts_of, sampling, calls=opts.rollout_calls,
+                             max_policy_lag=lag, key=jax.random.fold_in(seed_key, 2**31 - 1),
+                             state=state, first_call=start_step * opts.rollout_calls,
+                             episodes=source.episodes)
+    return SyncRollouts(engine, source.prompts_of, sampling, calls=opts.rollout_calls,
+                        key=seed_key, episodes=source.episodes)
+
+
+def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _Loaded,
+               rollouts, history: PolicyHistory, train: TrainConfig, start_step: int):
+    """GRPO steps until --steps or a stop signal: each step's row appended with its state,
+    checkpoints every --checkpoint-every steps and a final one (even under a second
+    Ctrl-C). Returns (state, rows, the stop flag, the rollouts' closing metrics)."""
+    state, rows, placement = loaded.state, loaded.rows, loaded.placement
     stop = _Stop()
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     buffer_metrics = {}
-    saved_version = start_version
+    saved_version = loaded.start_version
     bar = tqdm(range(start_step, opts.steps), initial=start_step, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
     try:
         for step in bar:
-            result = grpo_step(step, state, rollouts, None if opts.env else reward,
-                               decode=tokenizer.decode,
-                               history=history, train=train,
+            result = grpo_step(step, state, rollouts, source.reward,
+                               decode=loaded.tokenizer.decode, history=history, train=train,
                                mesh=None if placement is None else placement.trainer)
-            examples, sample, completion = result.texts[0]
-            example = examples[sample.group]
-            sync_bytes = (result.record["sync_bytes"] if placement is None
-                          else placement.sync_bytes(result.state.params))
-            row = dict(result.record, exact_match=float(np.mean(
-                [exact(m, s, t) for m, s, t in result.texts])), sync_bytes=sync_bytes,
-                sample=dict(prompt=example.prompt, completion=completion,
-                            answer=example.answer))
-            if opts.env:  # episodes whose turns include a well-formed tool call
-                row["tool_use"] = float(np.mean([any(parse_call(t) for t in s.turn_texts)
-                                                 for _, s, _ in result.texts]))
+            row = _step_row(opts, result, source, placement)
             with deferred_signals():  # the state and its metrics row move together
                 run.append_row(row)
                 rows.append(row)
@@ -594,11 +650,7 @@ def run_demo(opts: DemoOptions) -> dict:
                             exact=f"{row['exact_match']:.2f}",
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
-                moved = (f"copied {sync_bytes / 2**20:.1f} MiB" if sync_bytes else
-                         "lent the params (nothing copied)")
-                tqdm.write(f"step {step:4d}  {example.prompt[-24:]!r} -> {completion!r} "
-                           f"(answer {example.answer!r}); sync {moved} in "
-                           f"{row['sync_seconds']:.2f} s")
+                _say_step(step, row)
             if (step + 1) % opts.checkpoint_every == 0:
                 with deferred_signals():
                     save_checkpoint(run.checkpoints, state)
@@ -616,26 +668,46 @@ def run_demo(opts: DemoOptions) -> dict:
         finally:  # after the section: it reinstalls the handlers it found on entry
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+    return state, rows, stop, buffer_metrics
+
+
+def _step_row(opts: DemoOptions, result, source: _PromptSource, placement) -> dict:
+    """A step's metrics row: grpo_step's record, exact match, the bytes synced and one
+    sample (the first)."""
+    examples, sample, completion = result.texts[0]
+    example = examples[sample.group]
+    sync_bytes = (result.record["sync_bytes"] if placement is None
+                  else placement.sync_bytes(result.state.params))
+    row = dict(result.record, exact_match=float(np.mean(
+        [source.exact(m, s, t) for m, s, t in result.texts])), sync_bytes=sync_bytes,
+        sample=dict(prompt=example.prompt, completion=completion, answer=example.answer))
+    if opts.env:  # episodes whose turns include a well-formed tool call
+        row["tool_use"] = float(np.mean([any(parse_call(t) for t in s.turn_texts)
+                                         for _, s, _ in result.texts]))
+    return row
+
+
+def _say_step(step: int, row: dict) -> None:
+    sample, sync_bytes = row["sample"], row["sync_bytes"]
+    moved = (f"copied {sync_bytes / 2**20:.1f} MiB" if sync_bytes else
+             "lent the params (nothing copied)")
+    tqdm.write(f"step {step:4d}  {sample['prompt'][-24:]!r} -> {sample['completion']!r} "
+               f"(answer {sample['answer']!r}); sync {moved} in {row['sync_seconds']:.2f} s")
+
+
+def _summary(opts: DemoOptions, task, loaded: _Loaded, rows: list, start_step: int, state,
+             record: dict, rl_exact, warm_started: bool, train: TrainConfig,
+             buffer_metrics: dict, run: RunDir, exported, stop, seconds: float) -> dict:
+    """The run's summary (the CLI prints it)."""
     totals = {k: sum(r.get(k, 0) for r in rows) for k in (
         "generated_tokens", "prompt_tokens", "cached_tokens", "reused_tokens", "audited_samples",
         "audit_failed", "mixed_tokens", "recomputed_tokens")}
-    final_version = int(state.version)
-    rl_exact = None if stop.requested else _evaluate(
-        engine, state.params, final_version, tokenizer, task, opts, sampling,
-        jax.random.fold_in(seed_key, 2**30))
-    exported = save_pretrained(run.path / "final_model", config, state.params,
-                               tokenizer=tokenizer)
-    warm_started = _sft_steps(opts) > 0
-    title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"
-    if rows:
-        _plot(rows, run.path / PLOT, title, record["sft_exact_match"],
-              "after SFT" if warm_started else "before GRPO")
     window = max(1, min(10, len(rows) // 4))
-    mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0
+    mean = lambda key, part: float(np.mean([r[key] for r in part])) if part else 0.0  # noqa
     syncs = [r for r in rows if "sync_seconds" in r]  # rows of runs before --mesh lack them
     return dict(
-        task=task.name, policy=str(policy), steps_run=len(rows) - start_step,
-        final_version=final_version, reward_first=mean("reward", rows[:window]),
+        task=task.name, policy=str(loaded.policy), steps_run=len(rows) - start_step,
+        final_version=int(state.version), reward_first=mean("reward", rows[:window]),
         reward_last=mean("reward", rows[-window:]),
         exact_first=mean("exact_match", rows[:window]),
         exact_last=mean("exact_match", rows[-window:]),
@@ -647,12 +719,12 @@ def run_demo(opts: DemoOptions) -> dict:
         prompt_tokens=totals["prompt_tokens"], prefill_tokens_saved=totals["reused_tokens"],
         radix_cached_tokens=totals["cached_tokens"],
         audited_samples=totals["audited_samples"], audit_failures=totals["audit_failed"],
-        seconds=time.perf_counter() - t_start, updates_per_step=train.updates,
+        seconds=seconds, updates_per_step=train.updates,
         mode=("async/" + opts.kv_policy) if opts.async_rollouts else "sync",
         mixed_tokens=totals["mixed_tokens"], recomputed_tokens=totals["recomputed_tokens"],
         dropped_stale_calls=buffer_metrics.get("dropped_calls", 0),
         staleness_histogram=buffer_metrics.get("staleness", {}),
-        devices=devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),
+        devices=loaded.devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),
         sync_seconds_median=float(np.median([r["sync_seconds"] for r in syncs]))
         if syncs else 0.0,
         out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 
 from jaxrl_cache import parallel
 from jaxrl_cache.models import ModelConfig
-from jaxrl_cache.rl.train import TrainBatch, TrainState, train_step
+from jaxrl_cache.rl.batch import TrainBatch
+from jaxrl_cache.rl.train import TrainState, train_step
 
 _PART = re.compile(r"(trainer)=(?:(\d+)x)?(\d+)|(engine)=(\d+)")
 SYNTAX = "trainer=F or trainer=DxF (data x fsdp devices), engine=E (tensor devices)"

@@ -1,18 +1,28 @@
 """Attribution audit: recompute each sampled token's behavior logprob teacher-forced with the
 params of the version that claims to have sampled it (an episode's observation tokens are
-context, never checked)."""
+context, never checked).
+
+Every pass of it lives here:
+- `step_audit_sums`: inside the train step, on the log-probs its first update computes
+  anyway, for the tokens of the trainer's own version (the step's gate);
+- `audit_attribution`: a separate teacher-forced pass, for tokens of older versions (async
+  runs) and wherever the step's own forward does not reproduce the sampler (bf16 compute,
+  several mini-batches);
+- `audit_step_calls`: which tokens which of the two checks, for a GRPO step's calls.
+"""
 from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
-from jaxrl_cache.rl.train import sample_loss_mask, sample_token_versions, token_flags
+from jaxrl_cache.rl.batch import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
 from kernels_pallas.blocked import batch_invariant
 
@@ -35,6 +45,23 @@ def tolerance_for(engine) -> float:
     if exact and config is not None:  # the dots keep the order at this head size (probe)
         exact = batch_invariant(config.head_dim, config.dtype)
     return AUDIT_TOLERANCE if exact else CALIBRATED_TOLERANCE
+
+
+AUDIT_MAXED = ("audit_diff_max",)  # step_audit_sums keys reduced by max over micro-batches
+
+
+def step_audit_sums(logp, behavior, audited, versions, version) -> dict:
+    """The in-step audit's sums over one micro-batch: of the tokens these very params
+    sampled (audited bool [...] and versions == version), the largest |recomputed -
+    recorded| log-prob (NaN counts as inf), their sum, the k3 estimate of KL(sampler ||
+    trainer) summed, and their count. logp, behavior f32 [...]; versions int32 [...];
+    version int32 []. Under exact numerics every difference is exactly 0."""
+    check = audited & (versions == version)
+    delta = jnp.where(check, logp - behavior, 0.0)
+    gap = jnp.where(jnp.isnan(delta), jnp.inf, jnp.abs(delta))
+    drift = jnp.where(check, jnp.exp(delta) - delta - 1.0, 0.0)
+    return dict(audit_diff_max=gap.max(), audit_diff_sum=gap.sum(), audit_kl_sum=drift.sum(),
+                audit_tokens=check.sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +177,73 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
         first_bad_token=tuple(sorted(first_bad.items())),
         mixed_tokens=tuple((i, tuple(int(t) for t in np.flatnonzero(m)))
                            for i, m in enumerate(mixed) if m.any()))
+
+
+def audited_in_step(train) -> bool:
+    """Whether the train step's own forward reproduces the sampler, so its gate
+    (`step_audit_sums`) checks the tokens of its version: one mini-batch (the first update
+    runs the params that sampled them) in fp32 compute."""
+    return train.mini_batches == 1 and train.compute_dtype == "float32"
+
+
+def refuse(step: int, batch, report: AuditReport) -> None:
+    """RuntimeError naming the flagged samples of a call, if any."""
+    if not report.ok:
+        raise RuntimeError(f"step {step}: the attribution audit flagged samples "
+                           f"{list(report.flagged)[:8]} of a call at version "
+                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
+                           f"missing versions {list(report.missing_versions)})")
+
+
+def _checked_in_step(samples, version: int) -> int:
+    """Samples with a token the train step's own audit checks (sampled at `version`, not
+    mixed)."""
+    return sum(bool((sample_loss_mask(s, i) & ~token_flags(s, i, "mixed_tokens", False)
+                     & (sample_token_versions(s, i) == version)).any())
+               for i, s in enumerate(samples))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAuditCounts:
+    samples: int  # audited by either check
+    flagged: int
+    checked_tokens: int  # by the separate pass (the step adds its own)
+    mixed_tokens: int
+
+
+def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
+                     config: ModelConfig, *, version: int, in_step: bool, tolerance: float,
+                     audit_samples: int | None = None) -> StepAuditCounts:
+    """The separate audit of a GRPO step's calls, planned around the step's own: with
+    `in_step`, the tokens of `version` are left to the train step's gate and only older
+    versions' tokens are recomputed here; otherwise every token is. audit_samples: the
+    first k samples (episodes) of each call (None: all); past them, with `in_step`, the
+    step still checks every token of its version. Raises RuntimeError naming the samples
+    when one is flagged (nothing is trained)."""
+    audited = flagged = checked = mixed = 0
+    for batch in batches:
+        if audit_samples is None:
+            subset = batch
+        elif isinstance(batch, EpisodeBatch):
+            subset = dataclasses.replace(batch, episodes=batch.episodes[:audit_samples])
+        else:
+            subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
+        report = audit_attribution(subset, params_by_version, config, tolerance=tolerance,
+                                   checked_elsewhere=version if in_step else None)
+        audited += report.num_samples
+        flagged += len(report.flagged)
+        checked += report.num_checked_tokens
+        mixed += report.num_mixed_tokens
+        refuse(step, batch, report)
+        if in_step and audit_samples is not None:  # past the subset: checked in the step
+            audited += _checked_in_step(batch.samples[audit_samples:], version)
+    return StepAuditCounts(audited, flagged, checked, mixed)
+
+
+def name_misattributed(step: int, batches: list, params_by_version: Mapping,
+                       config: ModelConfig, tolerance: float) -> None:
+    """After the step's gate refused an update: the full audit of every call, raising the
+    RuntimeError that names the flagged samples (returns only if it flags none)."""
+    for batch in batches:
+        refuse(step, batch, audit_attribution(batch, params_by_version, config,
+                                              tolerance=tolerance))

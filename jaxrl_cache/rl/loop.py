@@ -29,10 +29,11 @@ import jax
 import numpy as np
 
 from jaxrl_cache.checks import as_real
-from jaxrl_cache.rl.audit import AuditReport, audit_attribution, tolerance_for
-from jaxrl_cache.rl.train import (AttributionFailure, TrainConfig, TrainState,
-                                  group_advantages, make_batch, sample_loss_mask,
-                                  sample_token_versions, token_flags, train_step)
+from jaxrl_cache.rl.audit import (audit_step_calls, audited_in_step, name_misattributed,
+                                  tolerance_for)
+from jaxrl_cache.rl.batch import group_advantages, make_batch
+from jaxrl_cache.rl.train import AttributionFailure, TrainState, train_step
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
 from jaxrl_cache.rollout.worker import RolloutWorker, SampleBuffer
 
@@ -129,6 +130,11 @@ class PolicyHistory:
     def __init__(self, lag: int):
         self.lag, self.params = lag, {}
 
+    def seed(self, version: int, params) -> None:
+        """Holds `params` under `version` unless it holds that version already."""
+        if version not in self.params:
+            self.add(version, params)
+
     def add(self, version: int, params) -> None:
         self.params[version] = params
         for old in [v for v in self.params if v < version - self.lag]:
@@ -162,22 +168,6 @@ def _episode_counters(batches: list) -> dict:
                 env_seconds=sum(b.env_seconds for b in batches if isinstance(b, EpisodeBatch)))
 
 
-def _refuse(step: int, batch, report: AuditReport) -> None:
-    if not report.ok:
-        raise RuntimeError(f"step {step}: the attribution audit flagged samples "
-                           f"{list(report.flagged)[:8]} of a call at version "
-                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
-                           f"missing versions {list(report.missing_versions)})")
-
-
-def _checked_in_step(samples, version: int) -> int:
-    """Samples with a token the train step's own audit checks (sampled at `version`, not
-    mixed)."""
-    return sum(bool((sample_loss_mask(s, i) & ~token_flags(s, i, "mixed_tokens", False)
-                     & (sample_token_versions(s, i) == version)).any())
-               for i, s in enumerate(samples))
-
-
 def _reward_value(value) -> float:
     """A reward function's value as a float (bools and numpy scalars too; NaN and inf are
     refused by make_batch); an int past the float range is as_real's one-line ValueError."""
@@ -194,11 +184,12 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     """One GRPO step (see the module doc). reward(meta, sample, text) -> float (for an
     episode call: reward(meta, episode, its turns' text joined)); None: every call must be
     an EpisodeBatch and each episode's return (Episode.reward) is its reward.
-    decode(token ids) -> str (used when a sample has no text of its own); history holds the
-    current version's params on entry and gets the new version's. audit_samples: audit
-    the first k samples of each call (None: all); with one mini-batch in fp32 compute this
-    bounds only the separate audit of older versions' tokens: the train step checks every
-    token of its own version. max_policy_lag: train_step's staleness bound (None:
+    decode(token ids) -> str (used when a sample has no text of its own); history: params by
+    version for the audit (the state's version is added when missing; the new version's
+    params are added). audit_samples: audit the first k samples of each call (None: all);
+    with one mini-batch in fp32 compute this bounds only the separate audit of older
+    versions' tokens: the train step checks every token of its own version
+    (`rl.audit.audit_step_calls`). max_policy_lag: train_step's staleness bound (None:
     history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError
     naming the samples if an audit flags one (a misattributed sample is never trained on:
     the step then applies no update); train_step's AttributionFailure passes through only
@@ -207,19 +198,10 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")
     version = int(state.version)
+    history.seed(version, state.params)
     t0 = time.perf_counter()
-    parts = rollouts.get(step, state)
+    parts, untrainable = _trainable(step, rollouts.get(step, state))
     t1 = time.perf_counter()
-    untrainable = sum(not e.sampled_tokens for _, b in parts if isinstance(b, EpisodeBatch)
-                      for e in b.episodes)
-    if untrainable:  # episodes whose environment failed before a first turn: counted only
-        parts = [(meta, dataclasses.replace(b, episodes=[e for e in b.episodes
-                                                         if e.sampled_tokens]))
-                 if isinstance(b, EpisodeBatch) else (meta, b) for meta, b in parts]
-        parts = [(meta, b) for meta, b in parts if b.samples]
-        if not parts:
-            raise RuntimeError(f"step {step}: no episode sampled a token (every environment "
-                               f"failed before its first turn)")
     if reward is None and not all(isinstance(b, EpisodeBatch) for _, b in parts):
         raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
                          "call has no reward of its own")
@@ -227,48 +209,55 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     rewards = [float(s.reward) if reward is None else _reward_value(reward(meta, s, text))
                for meta, s, text in texts]
     t2 = time.perf_counter()
-    in_step = train.mini_batches == 1 and train.compute_dtype == "float32"
-    tolerance = getattr(rollouts, "audit_tolerance", 0.0)
-    elsewhere = version if in_step else None
-    audited = flagged = checked = mixed = 0
-    for _, batch in parts:
-        if audit_samples is None:
-            subset = batch
-        elif isinstance(batch, EpisodeBatch):
-            subset = dataclasses.replace(batch, episodes=batch.episodes[:audit_samples])
-        else:
-            subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
-        report = audit_attribution(subset, history.params, state.config,
-                                   tolerance=tolerance, checked_elsewhere=elsewhere)
-        audited += report.num_samples
-        flagged += len(report.flagged)
-        checked += report.num_checked_tokens
-        mixed += report.num_mixed_tokens
-        _refuse(step, batch, report)
-        if in_step and audit_samples is not None:  # past the subset: checked in the step
-            audited += _checked_in_step(batch.samples[audit_samples:], version)
+    batches = [b for _, b in parts]
+    in_step, tolerance = audited_in_step(train), getattr(rollouts, "audit_tolerance", 0.0)
+    counts = audit_step_calls(step, batches, history.params, state.config, version=version,
+                              in_step=in_step, tolerance=tolerance, audit_samples=audit_samples)
     t3 = time.perf_counter()
-    batch = make_batch([b for _, b in parts], rewards, advantages=advantages)
-    lag = history.lag if max_policy_lag is None else max_policy_lag
+    batch = make_batch(batches, rewards, advantages=advantages)
     try:
-        new_state, metrics = train_step(state, batch, train, ref_params=ref_params, mesh=mesh,
-                                        max_policy_lag=lag,
-                                        audit_tolerance=tolerance if in_step else None)
+        new_state, metrics = train_step(
+            state, batch, train, ref_params=ref_params, mesh=mesh,
+            max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
+            audit_tolerance=tolerance if in_step else None)
     except AttributionFailure:  # nothing was applied: name the samples, as the audit does
-        for _, b in parts:
-            _refuse(step, b, audit_attribution(b, history.params, state.config,
-                                               tolerance=tolerance))
+        name_misattributed(step, batches, history.params, state.config, tolerance)
         raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
-    if in_step:
-        checked += int(metrics["audit_checked_tokens"])
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.params)
-    batches = [b for _, b in parts]
+    record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
+    record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
+                  train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
+    if any(isinstance(b, EpisodeBatch) for b in batches):
+        record.update(_episode_counters(batches), episodes_untrainable=untrainable)
+    return StepResult(new_state, record, texts, ack)
+
+
+def _trainable(step: int, parts: list) -> tuple[list, int]:
+    """(the calls without the episodes whose environment failed before a first turn, how
+    many such episodes there were); RuntimeError when no call has a sample left."""
+    untrainable = sum(not e.sampled_tokens for _, b in parts if isinstance(b, EpisodeBatch)
+                      for e in b.episodes)
+    if untrainable:  # counted only
+        parts = [(meta, dataclasses.replace(b, episodes=[e for e in b.episodes
+                                                         if e.sampled_tokens]))
+                 if isinstance(b, EpisodeBatch) else (meta, b) for meta, b in parts]
+        parts = [(meta, b) for meta, b in parts if b.samples]
+        if not parts:
+            raise RuntimeError(f"step {step}: no episode sampled a token (every environment "
+                               f"failed before its first turn)")
+    return parts, untrainable
+
+
+def _record(step: int, version: int, ack: WeightAck, rewards: list, batches: list,
+            metrics: dict, counts, tolerance: float, in_step: bool) -> dict:
+    """The step's metrics row (host numbers; the caller adds the phase seconds)."""
     context = sum(b.prompt_tokens for b in batches)
-    record = dict(
+    checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"]) if in_step else 0)
+    return dict(
         step=step, version=version, next_version=ack.version,
         reward=float(np.mean(rewards)), samples=len(rewards),
         loss=float(metrics["loss"]), lr=float(metrics["lr"]),
@@ -276,21 +265,17 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         kl=float(metrics["kl"]), staleness_max=int(metrics["staleness_max"]),
         updates=int(metrics["updates"]),
         generated_tokens=sum(b.generated_tokens for b in batches),
-        prompt_tokens=sum(b.prompt_tokens for b in batches),
+        prompt_tokens=context,
         cached_tokens=sum(b.cached_tokens for b in batches),
         reused_tokens=sum(b.reused_tokens for b in batches),
         cache_hit_rate=sum(b.cached_tokens for b in batches) / max(context, 1),
         prefill_saved=sum(b.reused_tokens for b in batches) / max(context, 1),
-        audited_samples=audited, audit_checked_tokens=checked, audit_failed=flagged,
-        audit_tolerance=tolerance,
+        audited_samples=counts.samples, audit_checked_tokens=checked,
+        audit_failed=counts.flagged, audit_tolerance=tolerance,
         logprob_mismatch_max=float(metrics["logprob_mismatch_max"]),
         logprob_mismatch_mean=float(metrics["logprob_mismatch_mean"]),
         logprob_mismatch_kl=float(metrics["logprob_mismatch_kl"]),
-        mixed_tokens=mixed, recomputed_tokens=sum(b.recomputed_tokens for b in batches),
+        mixed_tokens=counts.mixed_tokens,
+        recomputed_tokens=sum(b.recomputed_tokens for b in batches),
         invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
-        sync_bytes=ack.copied_bytes,
-        rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
-        train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
-    if any(isinstance(b, EpisodeBatch) for b in batches):
-        record.update(_episode_counters(batches), episodes_untrainable=untrainable)
-    return StepResult(new_state, record, texts, ack)
+        sync_bytes=ack.copied_bytes)

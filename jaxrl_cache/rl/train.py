@@ -1,4 +1,4 @@
-"""Policy versions through training: TrainState, GRPO batches and the clipped PG train step.
+"""Policy versions through training: TrainState, the optimizer and the jitted train step.
 
 The version is the number of optimizer updates applied. `train_step` applies
 `mini_batches x epochs` updates to one batch and returns the version advanced by that many;
@@ -8,29 +8,16 @@ learning-rate-free direction (e.g. `make_optimizer()`: clip, Adam, weight decay)
 scales its output by -schedule(version). Every `count` inside the optimizer state equals the
 version at all times; checkpoints verify it.
 
-Memory is set by a micro-batch, not the batch: samples are packed into micro-batches of at
-most `token_budget` tokens (rl/packing.py), each update accumulates gradients over them in
-one jitted scan (no host round trip), log-probs come chunked (rl/logprobs.py: never
-[N, L, V] logits) and the layer scan is rematerialised (`remat`). The loss of a mini-batch is
-the sum over its sampled tokens of weight x token loss, the weights set on the host by
-`loss_type` over the whole mini-batch, so the update does not depend on the budget.
-Multi-turn episodes (EpisodeBatch) train the same way: their observation tokens
-(Sample.loss_mask False) get weight 0, so they are context only, never in a loss, a
-normaliser, a ratio statistic or a staleness.
+Each update accumulates gradients over the batch's packed micro-batches (rl/batch.py) in one
+jitted scan (no host round trip); a micro-batch's log-probs come from one forward
+(rl/logprobs.py), which feeds both the loss (rl/loss.py) and the in-step audit
+(rl/audit.py). Memory: rl/memory.py.
 
 Numbers: versions stay in the int32 range (`versioning.MAX_VERSION`); a step that would pass
 it is refused. Non-finite rewards, behavior logprobs, clip parameters or negative /
 non-finite learning rates are refused before any work, and a step whose loss or gradient norm
 is not finite raises (`NonFiniteUpdate`, carrying the unchanged state) instead of returning
 NaN params.
-
-Off-policy correction (`correction="decoupled"`, decoupled PPO as in AReaL): three policies,
-behavior (each token's recorded logprob, sampled by its own version), proximal (the
-trainer's params before the first update of this batch, scored once, no gradient) and
-current. The clipped ratio is current/proximal and each token's surrogate is weighted by
-min(proximal/behavior, is_cap). `correction="none"` is plain PPO-clip with the ratio against
-behavior. Both read the sampler's own distribution (`sampling.warped_logits`), so on fresh
-samples proximal == behavior and, at the first update, the two objectives coincide.
 """
 
 from __future__ import annotations
@@ -39,8 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
-from typing import Callable, Sequence
+from typing import Callable
 
 import flax.struct
 import jax
@@ -50,17 +36,18 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax import tree_utils as otu
 
-from jaxrl_cache.checks import as_bool, as_count, as_real
+from jaxrl_cache.checks import as_real
 from jaxrl_cache.errors import StalenessError, VersionError
-from jaxrl_cache.models.llama import ModelConfig, init_params
+from jaxrl_cache.models.llama import ModelConfig
 from jaxrl_cache.parallel.mesh import DATA, FSDP
+from jaxrl_cache.rl.audit import AUDIT_MAXED, step_audit_sums
+from jaxrl_cache.rl.batch import TrainBatch, pack_batch
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
-from jaxrl_cache.rl.packing import MAX_ROW, PackedBatch, balanced_parts, pack
-from jaxrl_cache.rollout.sampling import SamplingParams
-from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
+from jaxrl_cache.rl.loss import MAXED, policy_loss
+from jaxrl_cache.rl.memory import check_memory
+from jaxrl_cache.rl.packing import PackedBatch
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
-
-CORRECTIONS = ("none", "decoupled")
 
 
 def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
@@ -123,66 +110,6 @@ class TrainState:
                    tx=tx, lr_schedule=schedule, config=config)
 
 
-def group_advantages(rewards: np.ndarray, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """GRPO: (r - group mean) / (group std + eps). rewards, groups [N] -> [N]."""
-    rewards = np.asarray(rewards, np.float64)
-    out = np.zeros_like(rewards)
-    for g in np.unique(groups):
-        idx = groups == g
-        r = rewards[idx]
-        out[idx] = (r - r.mean()) / (r.std() + eps)
-    return out.astype(np.float32)
-
-
-def group_advantages_no_std(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Dr. GRPO: r - group mean (no division by the group std). rewards, groups [N] -> [N]."""
-    rewards = np.asarray(rewards, np.float64)
-    out = np.zeros_like(rewards)
-    for g in np.unique(groups):
-        idx = groups == g
-        out[idx] = rewards[idx] - rewards[idx].mean()
-    return out.astype(np.float32)
-
-
-def token_flags(sample, index: int, name: str, default: bool) -> np.ndarray:
-    """The per-token bool field `name` of a Sample (loss_mask, mixed_tokens) as bool
-    [len(output_ids)], `default` everywhere when None; checked (ValueError naming the
-    sample)."""
-    n = len(sample.output_ids)
-    value = getattr(sample, name)
-    if value is None:
-        return np.full(n, default)
-    flags = np.asarray(value)
-    if flags.shape != (n,) or flags.dtype != np.bool_:
-        raise ValueError(f"sample {index}: {name} must be None or bool [{n}], got "
-                         f"{flags.dtype}{list(flags.shape)}")
-    return flags
-
-
-def sample_loss_mask(sample, index: int) -> np.ndarray:
-    """Sample.loss_mask (None = every output token sampled), checked."""
-    return token_flags(sample, index, "loss_mask", True)
-
-
-def sample_token_versions(sample, index: int) -> np.ndarray:
-    """Sample.token_versions as int64 [len(output_ids)], checked (ValueError naming it)."""
-    versions = np.asarray(sample.token_versions)
-    if versions.shape != (len(sample.output_ids),) or (
-            versions.size and not np.issubdtype(versions.dtype, np.integer)):
-        raise ValueError(f"sample {index}: token_versions must be integers "
-                         f"[{len(sample.output_ids)}], got {versions.dtype}{list(versions.shape)}")
-    if versions.size and (versions.min() < 0 or versions.max() > MAX_VERSION):
-        raise ValueError(f"sample {index}: token_versions must lie in [0, {MAX_VERSION}], got "
-                         f"[{versions.min()}, {versions.max()}]")
-    return versions.astype(np.int64)
-
-
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # TRL's names (see TrainConfig.loss_type)
-COMPUTE_DTYPES = ("float32", "bfloat16")
-REMATS = ("full", "dots", "none")
-MAX_LENGTH = 2**20  # tokens per sample
-
-
 class NonFiniteUpdate(ValueError):
     """An update produced a non-finite loss or gradient norm; `.state` is the input state,
     unchanged (usable even when the step donated its buffers)."""
@@ -192,185 +119,6 @@ class NonFiniteUpdate(ValueError):
         self.state = state
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything `train_step` does with a batch; checked once, here.
-
-    loss_type (TRL's names): "dapo" token mean over the mini-batch; "grpo" mean over
-    sequences of each sequence's token mean; "dr_grpo" token sum / (sequences x
-    max_new_tokens), Dr. GRPO's constant normaliser. kl_beta > 0 adds beta x k3 KL to the
-    reference params (`train_step(ref_params=...)`) per sampled token.
-    """
-    clip_eps: float = 0.2
-    dual_clip: float | None = None  # > 1: bounds the ratio's pull on negative advantages
-    correction: str = "none"  # or "decoupled" (see module doc)
-    is_cap: float = 2.0  # decoupled importance weights truncated at is_cap (>= 1)
-    max_policy_lag: int | None = None  # oldest token version a sample may have, behind
-    loss_type: str = "dapo"
-    kl_beta: float = 0.0
-    mini_batches: int = 1  # updates per pass: the batch split into this many parts
-    epochs: int = 1  # passes over the batch
-    token_budget: int = 4096  # tokens per micro-batch (packed rows x row length)
-    remat: str = "full"  # layer-scan rematerialisation: "full", "dots" or "none"
-    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
-    logprob_chunk: int = 512  # positions per LM-head chunk
-    donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
-
-    def __post_init__(self):
-        norm = dict(clip_eps=as_real(self.clip_eps, "clip_eps", minimum=0.0, open_min=True),
-                    is_cap=as_real(self.is_cap, "is_cap", minimum=1.0),
-                    kl_beta=as_real(self.kl_beta, "kl_beta", minimum=0.0),
-                    mini_batches=as_count(self.mini_batches, "mini_batches", minimum=1,
-                                          maximum=4096),
-                    epochs=as_count(self.epochs, "epochs", minimum=1, maximum=4096),
-                    token_budget=as_count(self.token_budget, "token_budget", minimum=2,
-                                          maximum=MAX_LENGTH),
-                    logprob_chunk=as_count(self.logprob_chunk, "logprob_chunk", minimum=1))
-        if self.dual_clip is not None:
-            norm["dual_clip"] = as_real(self.dual_clip, "dual_clip", minimum=1.0,
-                                        open_min=True)
-        if self.max_policy_lag is not None:
-            norm["max_policy_lag"] = as_count(self.max_policy_lag, "max_policy_lag",
-                                              maximum=MAX_VERSION)
-        for name, allowed in (("correction", CORRECTIONS), ("loss_type", LOSS_TYPES),
-                              ("remat", REMATS), ("compute_dtype", COMPUTE_DTYPES)):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise TypeError(f"{name} must be a str, got {type(value).__name__} "
-                                f"{value!r:.80}")
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r:.80}")
-        norm["donate"] = as_bool(self.donate, "donate")
-        for name, value in norm.items():
-            object.__setattr__(self, name, value)
-
-    @property
-    def updates(self) -> int:
-        return self.mini_batches * self.epochs
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainBatch:
-    """Samples ready to train on (host arrays; `train_step` packs them per its config).
-
-    Per sample i: sequences[i] int32 [L_i] prompt + output; prompt_lengths[i];
-    behavior_logprobs[i] f32 [O_i] and token_versions[i] int64 [O_i] of its output tokens;
-    loss_masks[i] bool [O_i], True on the tokens the policy sampled (the only ones trained
-    on; at least one per sample; behavior_logprobs is 0 elsewhere); mixed_masks[i] bool
-    [O_i], True on tokens that attended KV of another version (Sample.mixed_tokens: their
-    recorded log-prob is not checkable by a recompute); advantages[i];
-    behavior_version[i] its oldest sampled token's version (staleness is measured from it).
-    All samples share one sampling setting (the distribution the loss scores).
-    """
-    sequences: tuple
-    prompt_lengths: np.ndarray  # int64 [N]
-    behavior_logprobs: tuple
-    token_versions: tuple
-    loss_masks: tuple
-    mixed_masks: tuple
-    advantages: np.ndarray  # f32 [N]
-    behavior_version: np.ndarray  # int64 [N]
-    sampling: SamplingParams
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.sequences)
-
-    @property
-    def real_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
-
-
-def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | EpisodeBatch],
-               rewards, *,
-               advantages: Callable = group_advantages) -> TrainBatch:
-    """Samples of one or more rollout / episode batches + scalar rewards [N] -> a TrainBatch.
-
-    An EpisodeBatch contributes one sample per episode (EpisodeBatch.samples: the first
-    observation as prompt, every later token as output, its loss_mask marking the sampled
-    ones); batches of both kinds may be mixed. Groups (for advantages) are the n samples of
-    one prompt of one call (for episodes: the episodes of one task); advantages (rewards
-    f64 [N], groups int [N]) -> f32 [N] is GRPO's group normalisation by default
-    (`group_advantages_no_std`: Dr. GRPO's). All batches must share sampling parameters.
-    Per-token versions come from Sample.token_versions; behavior_version is the oldest
-    sampled token's. A sample whose loss_mask is misshapen or has no True entry is a
-    ValueError naming it; behavior logprobs are checked (finite) on sampled tokens only.
-    """
-    kinds = (RolloutBatch, EpisodeBatch)
-    if isinstance(rollouts, kinds):
-        batches = [rollouts]
-    elif isinstance(rollouts, (list, tuple)) and all(isinstance(b, kinds) for b in rollouts):
-        batches = list(rollouts)
-    else:
-        raise TypeError(f"rollouts must be a RolloutBatch or an EpisodeBatch, or a list of "
-                        f"them, got {type(rollouts).__name__}")
-    if not batches:
-        raise ValueError("make_batch needs at least one rollout batch")
-    per_batch = [b.samples for b in batches]  # EpisodeBatch.samples builds them: once
-    empty = [k for k, s in enumerate(per_batch) if not s]
-    if empty:
-        raise ValueError(f"rollouts: batch {empty[0]} has no samples")
-    sp = batches[0].sampling
-    if any(b.sampling != sp for b in batches):
-        raise ValueError("all rollout batches of a training batch must share SamplingParams")
-    samples = [s for b in per_batch for s in b]
-    groups = np.array([(k << 32) + s.group for k, b in enumerate(per_batch) for s in b])
-    try:
-        rewards = np.asarray(rewards, np.float32)
-    except (TypeError, ValueError):
-        raise TypeError(f"rewards must be numbers [N={len(samples)}], got "
-                        f"{type(rewards).__name__} {rewards!r:.80}") from None
-    except OverflowError:  # an int past the float range (10**400)
-        raise ValueError("rewards must be finite, got an integer past the float range") \
-            from None
-    if rewards.shape != (len(samples),):
-        raise ValueError(f"rewards must be [N={len(samples)}], got shape {rewards.shape}")
-    if not np.isfinite(rewards).all():
-        bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
-        raise ValueError(f"rewards must be finite, got rewards[{bad}] = {rewards[bad]}")
-    versions = [sample_token_versions(s, i) for i, s in enumerate(samples)]
-    masks = [sample_loss_mask(s, i) for i, s in enumerate(samples)]
-    behavior = []
-    for i, (s, mask) in enumerate(zip(samples, masks)):
-        logp = np.asarray(s.output_logprobs, np.float32)
-        if logp.shape != (len(s.output_ids),) or not np.isfinite(logp[mask]).all():
-            raise ValueError(f"sample {i} has non-finite or misshapen behavior logprobs")
-        if len(s.prompt_ids) + len(s.output_ids) > MAX_LENGTH or not s.output_ids:
-            raise ValueError(f"sample {i} must have 1 to {MAX_LENGTH} tokens with at least "
-                             f"one output token")
-        if not mask.any():
-            raise ValueError(f"sample {i} has no sampled token (its loss_mask is all False)")
-        behavior.append(np.where(mask, logp, np.float32(0)))
-    adv = np.asarray(advantages(rewards.astype(np.float64), groups), np.float32)
-    if adv.shape != (len(samples),) or not np.isfinite(adv).all():
-        raise ValueError(f"advantages(...) must return finite f32 [{len(samples)}]")
-    return TrainBatch(
-        sequences=tuple(np.asarray(s.prompt_ids + s.output_ids, np.int32) for s in samples),
-        prompt_lengths=np.array([len(s.prompt_ids) for s in samples]),
-        behavior_logprobs=tuple(behavior), token_versions=tuple(versions),
-        loss_masks=tuple(masks), advantages=adv,
-        mixed_masks=tuple(token_flags(s, i, "mixed_tokens", False) & m
-                          for i, (s, m) in enumerate(zip(samples, masks))),
-        behavior_version=np.array([int(v[m].min()) for v, m in zip(versions, masks)]),
-        sampling=sp)
-
-
-def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[np.ndarray]:
-    """Each output token's share of its mini-batch's loss: per sample f32 [O_i], 0 exactly
-    on unsampled tokens. dapo: 1 / sampled tokens of the mini-batch; grpo: 1 / (its sample's
-    sampled tokens x samples); dr_grpo: 1 / (samples x max_new_tokens), a constant (for
-    episodes max_new_tokens is per turn: still a constant, not an episode's length)."""
-    masks = [batch.loss_masks[i] for i in part]
-    sampled = [int(m.sum()) for m in masks]
-    if loss_type == "dapo":
-        shares = [1.0 / sum(sampled)] * len(part)
-    elif loss_type == "grpo":
-        shares = [1.0 / (n * len(part)) for n in sampled]
-    else:  # dr_grpo
-        shares = [1.0 / (len(part) * batch.sampling.max_new_tokens)] * len(part)
-    return [np.where(m, np.float32(w), np.float32(0)) for m, w in zip(masks, shares)]
-
-
 class AttributionFailure(ValueError):
     """The step's own audit found a token off its recorded log-prob under the params that
     claim to have sampled it; `.state` is the input state, unchanged (no update applied)."""
@@ -378,102 +126,6 @@ class AttributionFailure(ValueError):
     def __init__(self, message: str, state):
         super().__init__(message)
         self.state = state
-
-
-class TrainMemoryError(ValueError):
-    """A train step that cannot fit the device memory (raised before any work)."""
-
-
-def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
-                        row_length: int | None = None) -> dict:
-    """Rough peak bytes of one train step: the state (params, gradients, Adam moments, the
-    update's temporaries, and without donation a second params + Adam copy) plus the
-    activations of one micro-batch of `token_budget` tokens (each layer's saved input,
-    one layer's rematerialised backward, attention scores of rows of `row_length`, one
-    LM-head chunk; row_length None: the longest rows packing makes). Independent of the
-    batch size: that is the point of the budget."""
-    param = 4 * _param_count(config)
-    state = param * (5 if cfg.donate else 8)
-    act = 2 if cfg.compute_dtype == "bfloat16" else 4
-    t, d = cfg.token_budget, config.d_model
-    width = min(MAX_ROW if row_length is None else max(row_length, 1), t)
-    qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-    saved = config.n_layers * t * d * act * (1 if cfg.remat != "none" else 12)
-    layer = 3 * t * (3 * config.d_ff + 8 * d + qkv) * act + 12 * t * config.n_heads * width
-    head = 4 * 4 * cfg.logprob_chunk * config.vocab_size
-    return dict(state=state, activations=saved + layer + head, total=state + saved + layer + head)
-
-
-@functools.lru_cache(maxsize=None)
-def _param_count(config: ModelConfig) -> int:
-    """Parameters of a model (abstract init, once per config: train_step checks every call)."""
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-
-
-def available_bytes() -> int | None:
-    """Memory a step may use: the device's limit (accelerators), or on CPU this process's
-    resident memory plus the machine's available memory. None if unknown."""
-    stats = jax.local_devices()[0].memory_stats() or {}  # addressable in multi-process runs
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    try:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return int(meminfo["MemAvailable"].split()[0]) * 1024 + rss
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-MEMORY_SLACK = 1.25  # the estimate is rough: refuse only what clearly cannot fit
-
-
-def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
-                 available: int | None = None) -> None:
-    """Raises TrainMemoryError (one line, the numbers and the setting to change) if the
-    step's estimate exceeds MEMORY_SLACK x the available memory (default
-    `available_bytes()`; unknown: no check)."""
-    have = available_bytes() if available is None else available
-    need = estimate_step_bytes(config, cfg, row_length)
-    if have is None or need["total"] <= MEMORY_SLACK * have:
-        return
-    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    per_token = max(need["activations"] / cfg.token_budget, 1.0)
-    fits = int((MEMORY_SLACK * have - need["state"]) / per_token) // 256 * 256
-    hint = (f"lower token_budget (--token-budget) to about {fits}" if fits >= 256 else
-            "the state alone does not fit: donate=True, a smaller model or more memory")
-    raise TrainMemoryError(
-        f"train step needs ~{gib(need['total'])} (state {gib(need['state'])} + "
-        f"{gib(need['activations'])} for micro-batches of {cfg.token_budget} tokens), "
-        f"{gib(have)} available; {hint}")
-
-
-_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {K}} packed so far
-
-
-def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
-    """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`),
-    planned for every sample at prompt + max_new_tokens, or its length when longer (an
-    episode), so the shape follows the prompts, not the sampled lengths; preferring a shape this process packed (so compiled)
-    before (`packing.plan`)."""
-    if batch.num_samples < cfg.mini_batches:
-        raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
-                         f"{batch.num_samples} samples")
-    parts = balanced_parts(np.array([len(s) for s in batch.sequences]), cfg.mini_batches)
-    weights = [None] * batch.num_samples
-    for part in parts:
-        for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
-            weights[i] = w
-    known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), {})
-    audited = [m & ~x for m, x in zip(batch.loss_masks, batch.mixed_masks)]
-    packed = pack(batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
-                  batch.token_versions, batch.advantages, weights, audited, parts=parts,
-                  token_budget=cfg.token_budget, row_multiple=row_multiple, known=known,
-                  reserve=batch.prompt_lengths + batch.sampling.max_new_tokens)
-    _, micro, rows, width = packed.tokens.shape
-    known.setdefault((width, micro, rows), set()).add(packed.scored.shape[-1])
-    return packed
 
 
 def _compute_params(params, cfg: TrainConfig):
@@ -506,51 +158,18 @@ def _score(params, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig
 
 def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, version, nums,
                 cfg: TrainConfig):
-    """Sum over the micro-batch of weight x token loss, and the sums behind the metrics.
-    proximal, ref: f32 [B, R] or None (proximal None: this update's params, no gradient);
-    nums: clip_eps, is_cap, kl_beta f32 [], dual_clip f32 [] or None (traced)."""
+    """(the micro-batch's loss, its metric sums): the policy loss (rl/loss.py) and the audit
+    of the tokens these very params sampled (rl/audit.py), on one forward's log-probs."""
     logp = _micro_log_probs(params, config, mb, knobs, kind, cfg)
-    mask = mb.weights > 0
-    on = lambda x: jnp.where(mask, x, 0.0)  # noqa: E731 (log-ratios at masked positions)
-    prox = jax.lax.stop_gradient(logp) if proximal is None else proximal
-    is_weight = jnp.exp(on(prox - mb.behavior))  # proximal / behavior
-    adv = mb.advantages
-    if cfg.correction == "decoupled":
-        ratio = jnp.exp(on(logp - prox))
-        scale = jnp.minimum(is_weight, nums["is_cap"])
-        truncated = (is_weight > nums["is_cap"]) & mask
-    else:
-        ratio = jnp.exp(on(logp - mb.behavior))
-        scale, truncated = 1.0, jnp.zeros_like(mask)
-    clip_eps, dual_clip = nums["clip_eps"], nums["dual_clip"]
-    surrogate = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps))
-    if dual_clip is not None:
-        surrogate = jnp.where(adv < 0, jnp.minimum(surrogate, -dual_clip * adv), surrogate)
-    token_loss = scale * surrogate
-    kl = jnp.zeros_like(logp)
-    if ref is not None:  # k3: exp(ref - logp) - (ref - logp) - 1 >= 0
-        delta = on(ref - logp)
-        kl = jnp.exp(delta) - delta - 1.0
-        token_loss = token_loss + nums["kl_beta"] * kl
-    loss = (mb.weights * token_loss).sum()
-    staleness = version - mb.versions
-    check = (mb.audited > 0) & (mb.versions == version)  # tokens these very params sampled
-    delta = jnp.where(check, jax.lax.stop_gradient(logp) - mb.behavior, 0.0)
-    gap = jnp.where(jnp.isnan(delta), jnp.inf, jnp.abs(delta))
-    drift = jnp.where(check, jnp.exp(delta) - delta - 1.0, 0.0)  # k3 of KL(sampler||trainer)
-    sums = dict(tokens=mask.sum(), ratio=on(ratio).sum(),
-                ratio_max=jnp.where(mask, ratio, 0).max(),
-                clipped=((jnp.abs(ratio - 1) > clip_eps) & mask).sum(),
-                is_weight=on(is_weight).sum(), is_weight_max=jnp.where(mask, is_weight, 0).max(),
-                truncated=truncated.sum(), kl=on(kl).sum(), staleness=on(staleness).sum(),
-                staleness_max=jnp.where(mask, staleness, 0).max(),
-                newest=jnp.where(mask, mb.versions, 0).max(),
-                audit_diff_max=gap.max(), audit_diff_sum=gap.sum(), audit_kl_sum=drift.sum(),
-                audit_tokens=check.sum())
-    return loss, sums
+    loss, sums = policy_loss(logp, mb.behavior, mb.weights, mb.advantages, mb.versions,
+                             version, proximal=proximal, ref=ref, nums=nums,
+                             correction=cfg.correction)
+    audit = step_audit_sums(jax.lax.stop_gradient(logp), mb.behavior, mb.audited > 0,
+                            mb.versions, version)
+    return loss, {**sums, **audit}
 
 
-_MAXED = ("ratio_max", "is_weight_max", "staleness_max", "newest", "audit_diff_max")
+_MAXED = MAXED + AUDIT_MAXED
 
 
 def _gradients(params, config, part: PackedBatch, proximal, ref, knobs, kind, version, nums,
@@ -705,36 +324,8 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     estimate (`estimate_step_bytes`) exceeds the available memory. Raises NonFiniteUpdate
     (carrying the unchanged state) if a loss or gradient norm came out non-finite.
     """
-    if audit_tolerance is not None:
-        audit_tolerance = as_real(audit_tolerance, "audit_tolerance", minimum=0.0)
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
-    if not isinstance(batch, TrainBatch):
-        raise TypeError(f"batch must be a TrainBatch (see make_batch), got "
-                        f"{type(batch).__name__}")
-    if config is not None and not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    cfg = dataclasses.replace(config or TrainConfig(), **options)
-    if cfg.kl_beta > 0 and ref_params is None:
-        raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
-    version = as_version(state.version, "state.version")
-    if version > MAX_VERSION - cfg.updates:
-        raise VersionError(f"state.version {version} + {cfg.updates} updates would pass the "
-                           f"largest int32 version {MAX_VERSION}")
-    lrs = [float(state.lr_schedule(version + i)) for i in range(cfg.updates)]
-    for i, lr in enumerate(lrs):
-        if not (np.isfinite(lr) and lr >= 0):
-            raise ValueError(f"lr_schedule({version + i}) = {lr} must be finite and >= 0")
-    oldest, newest = int(batch.behavior_version.min()), max(
-        int(v[m].max()) for v, m in zip(batch.token_versions, batch.loss_masks))
-    if cfg.max_policy_lag is not None and version - oldest > cfg.max_policy_lag:
-        raise StalenessError(
-            f"batch sample {int(batch.behavior_version.argmin())} has a token of version "
-            f"{oldest}, {version - oldest} updates behind the trainer (version {version}); "
-            f"max_policy_lag={cfg.max_policy_lag}")
-    if newest > version:
-        raise StalenessError(f"batch has a token of version {newest}, newer than the "
-                             f"trainer ({version})")
+    cfg, version, lrs, audit_tolerance = _checked_arguments(state, batch, config, options,
+                                                            ref_params, audit_tolerance)
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
@@ -776,3 +367,39 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
                                  f"(tolerance {audit_tolerance:g}); no update applied",
                                  new_state)
     return new_state, _summary(metrics, version, cfg.updates)
+
+
+def _checked_arguments(state, batch, config, options: dict, ref_params, audit_tolerance):
+    """train_step's checks before any work (see its Raises): (the config with `options`
+    applied, the state's version, the learning rate of each update, the tolerance)."""
+    if audit_tolerance is not None:
+        audit_tolerance = as_real(audit_tolerance, "audit_tolerance", minimum=0.0)
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"batch must be a TrainBatch (see make_batch), got "
+                        f"{type(batch).__name__}")
+    if config is not None and not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    cfg = dataclasses.replace(config or TrainConfig(), **options)
+    if cfg.kl_beta > 0 and ref_params is None:
+        raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
+    version = as_version(state.version, "state.version")
+    if version > MAX_VERSION - cfg.updates:
+        raise VersionError(f"state.version {version} + {cfg.updates} updates would pass the "
+                           f"largest int32 version {MAX_VERSION}")
+    lrs = [float(state.lr_schedule(version + i)) for i in range(cfg.updates)]
+    for i, lr in enumerate(lrs):
+        if not (np.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr_schedule({version + i}) = {lr} must be finite and >= 0")
+    oldest, newest = int(batch.behavior_version.min()), max(
+        int(v[m].max()) for v, m in zip(batch.token_versions, batch.loss_masks))
+    if cfg.max_policy_lag is not None and version - oldest > cfg.max_policy_lag:
+        raise StalenessError(
+            f"batch sample {int(batch.behavior_version.argmin())} has a token of version "
+            f"{oldest}, {version - oldest} updates behind the trainer (version {version}); "
+            f"max_policy_lag={cfg.max_policy_lag}")
+    if newest > version:
+        raise StalenessError(f"batch has a token of version {newest}, newer than the "
+                             f"trainer ({version})")
+    return cfg, version, lrs, audit_tolerance

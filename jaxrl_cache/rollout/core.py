@@ -57,7 +57,7 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
     """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
 
     fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,
-    position int32 [B] (see scheduler.DecodeArrays); page_table int32 [B, W - S] and
+    position int32 [B] (see runner.DecodeArrays); page_table int32 [B, W - S] and
     shared_pages int32 [S] (pages common to every row, cut from the table); budget int32 [B]
     tokens a slot may still emit (0 = empty); sample_index, emitted int32 [B] (PRNG streams);
     stop_ids int32 [K] (-1 = none); mesh: run the forward tensor-parallel (params laid out by

@@ -46,8 +46,8 @@ from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, EpisodeBatch, RolloutBatch,
                                        SchedulerConfig, WeightAck)
-from jaxrl_cache.versioning import as_version
-from kernels_pallas._common import resolve_backend
+from jaxrl_cache.versioning import MAX_POLICY_LAG, as_version
+from kernels_pallas import resolve_backend
 
 
 class _Weights(NamedTuple):
@@ -67,14 +67,14 @@ class _Weights(NamedTuple):
 
 
 class _Call(NamedTuple):
-    """What one rollout call generates: its first requests, and (episodes) the driver whose
-    environments add the next turns."""
+    """What one rollout call generates: its first requests, and (episodes) the checked
+    spec of the Driver whose environments add the next turns."""
     sampling: SamplingParams
     rng: jax.Array
     requests: list  # scheduler.Request, in order
     max_tokens: int  # the longest context + output a row may reach
     finish: Callable  # (run, start, ack) -> the call's batch
-    driver: Callable | None = None  # () -> episodes.Driver, one per run
+    episodes: episodes.EpisodeSpec | None = None  # a Driver per run (None: single-turn)
 
 
 def _same_leaves(tree, leaves) -> bool:
@@ -133,7 +133,6 @@ def _check_rng(rng) -> None:
 
 
 KV_POLICIES = ("wait", "recompute", "keep")
-MAX_POLICY_LAG = 1024  # a reconcile walks the window's versions: its cost is O(lag)
 
 
 class RolloutEngine:
@@ -454,13 +453,13 @@ class RolloutEngine:
         version = as_version(version)
         self._check_sampling(sampling, rng)
         text.encode_prompts(self.tokenizer, [], sampling)  # stop strings need a tokenizer
-        max_tokens, driver = episodes.prepare(
+        spec = episodes.prepare(
             tasks, env_factory, sampling, tokenizer=self.tokenizer, config=self.model_config,
             cache_config=self.cache_config, max_turns=max_turns,
             max_episode_tokens=max_episode_tokens, env_workers=env_workers,
             keep=self.kv_policy == "keep", env_timeout=env_timeout)
-        return self._run_call(params, version, _Call(sampling, rng, [], max_tokens,
-                                                     episodes.batch, driver))
+        return self._run_call(params, version, _Call(sampling, rng, [], spec.max_tokens,
+                                                     episodes.batch, spec))
 
     def _run_call(self, params, version: int, call: _Call):
         if self.kv_policy == "wait":
@@ -527,23 +526,24 @@ class RolloutEngine:
             key_of=self._cache_key, max_tokens=call.max_tokens,
             text=None if self.tokenizer is None else text.RowText(self.tokenizer,
                                                                   call.sampling),
-            episodes=None if call.driver is None else call.driver())
+            episodes=None if call.episodes is None else call.episodes.driver())
 
     def _step(self, run: scheduler.Run) -> None:
         """One round of a call (engine lock held): admit (re-prefills of rows whose KV an
         update dropped first, then waiting samples) by packed prefills, one decode chunk."""
         if self._active is run and self._weights.version > run.weights.version:
             run.weights = self._weights  # a sync during the call moved past its version
+        weights = run.weights  # read once: the version that runs this step is the one stamped
         run.await_work()
-        if not self._admit(run):
+        if not self._admit(run, weights.params):
             if run.idle:
                 return  # episodes: every episode left is with its environment, or ended
             if all(r is None or r.resume for r in run.slots):
                 raise AssertionError("scheduler made no progress")  # the pre-check forbids it
-        slots, chunk = self._runner.decode(run)
-        retire.finish_rows(run, slots, run.apply(slots, *chunk))
+        slots, chunk, steps = self._runner.decode(weights.params, run)
+        retire.finish_rows(run, slots, run.record_chunk(slots, chunk, steps, weights.version))
 
-    def _admit(self, run: scheduler.Run) -> bool:
+    def _admit(self, run: scheduler.Run, params) -> bool:
         """Admission rounds, each one packed prefill of at most max_prefill_tokens (soft),
         until no waiting sample fits: every row admitted before a decode chunk decodes in it
         (a prompt batch over the budget no longer leaves a tail that decodes alone in extra
@@ -554,7 +554,7 @@ class RolloutEngine:
             units = run.admit(claims)
             if not units:
                 return bool(earlier)
-            self._runner.prefill(run, units, keep=earlier)
+            run.record_prefill(*self._runner.prefill(params, run, units, keep=earlier))
             claims.publish(units)
             earlier += [slot for _, slots in units for slot in slots]
 

@@ -34,7 +34,6 @@ so a KeyboardInterrupt on the engine's thread is a real Ctrl-C, and it stops the
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import queue
 import threading
@@ -336,12 +335,33 @@ class Driver:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """An episode call's settings, checked (`prepare`): what each run's Driver is built
+    from."""
+    tasks: tuple
+    env_factory: Callable  # task -> environment
+    sampling: object  # SamplingParams
+    tokenizer: object
+    vocab_size: int
+    max_turns: int
+    max_tokens: int  # of an episode: context + output
+    workers: int  # environment threads
+    keep: bool  # kv_policy "keep"
+    timeout: float | None  # seconds per environment call
+
+    def driver(self) -> "Driver":
+        """A fresh Driver for one run of the call."""
+        return Driver(list(self.tasks), self.env_factory, self.sampling,
+                      tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                      max_turns=self.max_turns, max_tokens=self.max_tokens,
+                      workers=self.workers, keep=self.keep, timeout=self.timeout)
+
+
 def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, max_turns,
-            max_episode_tokens, env_workers, keep, env_timeout=None
-            ) -> tuple[int, Callable[[], Driver]]:
-    """rollout_episodes' arguments checked before any work: (max tokens of an episode, a
-    factory of the call's Driver). Raises TypeError/ValueError, or CacheFullError when one
-    episode at its token budget could not fit the KV pool."""
+            max_episode_tokens, env_workers, keep, env_timeout=None) -> EpisodeSpec:
+    """rollout_episodes' arguments checked before any work. Raises TypeError/ValueError, or
+    CacheFullError when one episode at its token budget could not fit the KV pool."""
     if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence) or not tasks:
         raise TypeError(f"tasks must be a non-empty sequence, got {type(tasks).__name__}")
     if not callable(env_factory):
@@ -362,11 +382,8 @@ def prepare(tasks, env_factory, sampling, *, tokenizer, config, cache_config, ma
             f"one episode may need {need} KV pages (max_episode_tokens {max_tokens}, "
             f"page_size {ps}) but the pool has only {usable}; use a larger "
             f"CacheConfig.num_pages or a smaller max_episode_tokens")
-    tasks = list(tasks)
-    return max_tokens, lambda: Driver(tasks, env_factory, sampling, tokenizer=tokenizer,
-                                      vocab_size=config.vocab_size, max_turns=max_turns,
-                                      max_tokens=max_tokens, workers=env_workers, keep=keep,
-                                      timeout=env_timeout)
+    return EpisodeSpec(tuple(tasks), env_factory, sampling, tokenizer, config.vocab_size,
+                       max_turns, max_tokens, env_workers, bool(keep), env_timeout)
 
 
 def _reward(value) -> float:

@@ -1,5 +1,6 @@
-"""The device side of the engine: owns the KV pool, packs a round's arrays and calls the
-jitted core (core.prefill_step, core.decode_chunk).
+"""The device side of the engine: owns the KV pool, packs a round's arrays (`pack_prefill`,
+`pack_decode`) and calls the jitted core (core.prefill_step, core.decode_chunk) with the
+params it is handed; it returns what was computed and the run (scheduler.Run) records it.
 
 The pool is donated to every core call and replaced by its result; a call that fails after
 donation leaves it deleted (`pool_lost`), and the engine then rebuilds it empty.
@@ -16,9 +17,130 @@ import numpy as np
 from jaxrl_cache import parallel
 from jaxrl_cache.models import ModelConfig, init_kv_cache
 from jaxrl_cache.rollout import core, scheduler
+from jaxrl_cache.rollout.scheduler import Row, Unit
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig
 from jaxrl_cache.shapes import page_width_floor
-from kernels_pallas._common import next_power_of_2
+from kernels_pallas import next_power_of_2
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillArrays:
+    """Packed inputs of one prefill launch (shapes bucketed by the caller's sizes)."""
+    tokens: np.ndarray  # int32 [T] new prompt tokens of every unit, packed
+    token_seq: np.ndarray  # int32 [T] unit of each token
+    token_pos: np.ndarray  # int32 [T] position in its prompt (-1 = padding)
+    page_table: np.ndarray  # int32 [S, W] the unit's first row's table
+    cu_q_lens: np.ndarray  # int32 [S+1]
+    kv_lens: np.ndarray  # int32 [S] prompt lengths
+    logit_slot: np.ndarray  # int32 [B] packed token whose logits slot b starts from
+    copy_src: np.ndarray  # int32 [B] partial prompt page to copy ... (0 -> 0 = none)
+    copy_dst: np.ndarray  # int32 [B] ... into a row's own first page
+
+
+def pack_prefill(units: list[tuple[Unit, list[int]]], num_tokens: int, num_seqs: int,
+                 width: int, num_slots: int, page_size: int) -> PrefillArrays:
+    """units: (unit, slot of each of its rows). Sizes T=num_tokens >= sum of new tokens,
+    S=num_seqs >= len(units), W=width >= any table, B=num_slots."""
+    tokens = np.zeros(num_tokens, np.int32)
+    token_seq = np.zeros(num_tokens, np.int32)
+    token_pos = np.full(num_tokens, -1, np.int32)
+    table = np.zeros((num_seqs, width), np.int32)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    logit_slot = np.zeros(num_slots, np.int32)
+    copy_src = np.zeros(num_slots, np.int32)
+    copy_dst = np.zeros(num_slots, np.int32)
+    for s, (unit, slots) in enumerate(units):
+        lo, hi = cu[s], cu[s] + unit.new_tokens
+        tokens[lo:hi] = unit.prompt[unit.cached_tokens:]
+        token_seq[lo:hi] = s
+        token_pos[lo:hi] = np.arange(unit.cached_tokens, len(unit.prompt))
+        cu[s + 1] = hi
+        kv_lens[s] = len(unit.prompt)
+        first = unit.rows[0].pages
+        table[s, :first.size] = first
+        partial = len(unit.prompt) % page_size != 0
+        full = len(unit.prompt) // page_size
+        for row, slot in zip(unit.rows, slots):
+            logit_slot[slot] = hi - 1
+            if partial and row is not unit.rows[0]:
+                copy_src[slot], copy_dst[slot] = first[full], row.pages[full]
+    cu[len(units) + 1:] = cu[len(units)]
+    return PrefillArrays(tokens, token_seq, token_pos, table, cu, kv_lens, logit_slot,
+                         copy_src, copy_dst)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeArrays:
+    """Per-slot state sent to one decode chunk."""
+    fresh: np.ndarray  # bool [B] first token comes from the prefill logits
+    last_token: np.ndarray  # int32 [B] token whose KV the next step writes
+    position: np.ndarray  # int32 [B] its position (fresh rows: the prompt length)
+    page_table: np.ndarray  # int32 [B, W - S] each row's pages after the shared ones
+    shared_pages: np.ndarray  # int32 [S] first pages of every decoding row (shared_prefix)
+    budget: np.ndarray  # int32 [B] tokens the row may still emit (0 = empty slot)
+    sample_index: np.ndarray  # int32 [B] Row.index (its PRNG stream)
+    emitted: np.ndarray  # int32 [B] tokens emitted so far (position in its PRNG stream)
+
+
+MIN_DECODE_ROWS = 2  # XLA on CPU copies the whole KV pool per layer for a 1-row decode
+
+
+def slot_bucket(slots: list) -> int:
+    """Decode rows to compute: the first of 2, 4, 16, 64, 256, ... covering the last occupied
+    slot (capped at the slot count, never below 2), so a call with fewer rows than slots,
+    or a draining batch, stops paying for its empty slots; few shapes, one compile each."""
+    need = 1 + max((i for i, row in enumerate(slots) if row is not None), default=0)
+    rows = MIN_DECODE_ROWS if need <= MIN_DECODE_ROWS else 4
+    while rows < need:
+        rows *= 4
+    return min(rows, max(len(slots), MIN_DECODE_ROWS))
+
+
+def _next_position(row: Row) -> int:
+    """Position whose KV the row's next decode step writes (fresh rows: the prompt length)."""
+    return len(row.prompt) + len(row.tokens) - (0 if row.fresh else 1)
+
+
+def shared_prefix(slots: list, page_size: int) -> int:
+    """Leading pages every decoding row's table holds in common (the same physical pages: a
+    shared system prompt, one prompt's group), all before any row's next write, so no row
+    writes them in the chunk. 0 unless at least two rows decode."""
+    live = [row for row in slots if row is not None and not row.resume]
+    if len(live) < 2:
+        return 0
+    n = min(min(_next_position(row) // page_size, row.pages.size) for row in live)
+    tables = np.stack([row.pages[:n] for row in live])  # [rows, n]
+    return int(np.cumprod((tables == tables[0]).all(axis=0)).sum())
+
+
+def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
+    """slots: Row or None per decode slot; width: the run's table width. shared: leading
+    pages common to every decoding row (<= `shared_prefix`), sent once as shared_pages and
+    cut from page_table (then [B, width - shared])."""
+    b = len(slots)
+    fresh = np.zeros(b, bool)
+    last = np.zeros(b, np.int32)
+    pos = np.zeros(b, np.int32)
+    table = np.zeros((b, width - shared), np.int32)
+    shared_pages = np.zeros(shared, np.int32)
+    budget = np.zeros(b, np.int32)
+    index = np.zeros(b, np.int32)
+    emitted = np.zeros(b, np.int32)
+    for i, row in enumerate(slots):
+        if row is None or row.resume:  # a row waiting to be re-prefilled does not decode
+            continue
+        n = len(row.tokens)
+        fresh[i] = row.fresh
+        last[i] = row.tokens[-1] if n else 0
+        pos[i] = _next_position(row)
+        table[i, :row.pages.size - shared] = row.pages[shared:]
+        shared_pages = row.pages[:shared]  # the same in every decoding row
+        budget[i] = row.max_new - n
+        index[i] = row.index
+        emitted[i] = n
+    return DecodeArrays(fresh, last, pos, table, shared_pages.astype(np.int32), budget, index,
+                        emitted)
 
 
 def _resize_rows(x, rows: int):
@@ -79,25 +201,23 @@ class Runner:
         """True iff a failed core call left the (donated) pool deleted."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv))
 
-    def prefill(self, run: scheduler.Run, units, keep: list[int] | None = None) -> None:
-        """One packed prefill of the round's units ((unit, slots) pairs) with the run's
-        params; the run keeps the logits its fresh rows start decoding from. keep: slots an
-        earlier prefill of this step filled (their logits are kept)."""
+    def prefill(self, params, run: scheduler.Run, units, keep: list[int] | None = None):
+        """One packed prefill of the round's units ((unit, slots) pairs) with `params`.
+        Returns (the logits its fresh rows start decoding from f32 [slots, V], the prompt
+        tokens computed). keep: slots an earlier prefill of this step filled (their logits,
+        run.fresh_logits, are kept)."""
         cfg = self.scheduler_config
         total = sum(u.new_tokens for u, _ in units)
-        arrays = scheduler.pack_prefill(units, max(16, next_power_of_2(total)),
-                                        next_power_of_2(len(units)), run.width,
-                                        cfg.max_num_seqs, run.ps)
+        arrays = pack_prefill(units, max(16, next_power_of_2(total)),
+                              next_power_of_2(len(units)), run.width, cfg.max_num_seqs, run.ps)
         logits, self.kv = core.prefill_step(
-            run.weights.params, self._pool(), *dataclasses.astuple(arrays),
+            params, self._pool(), *dataclasses.astuple(arrays),
             config=self.model_config, backend=self.backend, mesh=self.mesh)
         if keep:
             earlier = np.zeros((cfg.max_num_seqs, 1), bool)
             earlier[list(keep)] = True
             logits = jnp.where(earlier, run.fresh_logits, logits)
-        run.fresh_logits = logits
-        run.computed += total
-        run.prefills += 1
+        return logits, total
 
     def _shared_width(self, rows: int, width: int, most: int) -> int:
         """The shared page count to send, at most `most` (any smaller count is correct:
@@ -109,20 +229,20 @@ class Runner:
         seen.add(shared)
         return shared
 
-    def decode(self, run: scheduler.Run) -> tuple[list, tuple]:
-        """One decode chunk over the run's first `slot_bucket` slots (every live row is
-        there: admission fills the lowest free slots), so empty slots beyond cost nothing.
-        Returns (those slots, (tokens int32 [b, k], logprobs f32 [b, k], counts int32 [b],
-        stopped bool [b])) on the host."""
+    def decode(self, params, run: scheduler.Run) -> tuple[list, tuple, int]:
+        """One decode chunk with `params` over the run's first `slot_bucket` slots (every
+        live row is there: admission fills the lowest free slots), so empty slots beyond
+        cost nothing. Returns (those slots, (tokens int32 [b, k], logprobs f32 [b, k],
+        counts int32 [b], stopped bool [b]) on the host, the decode steps run)."""
         cfg = self.scheduler_config
-        width = scheduler.slot_bucket(run.slots)
+        width = slot_bucket(run.slots)
         slots = run.slots[:width] + [None] * (width - len(run.slots))
         shared = 0  # the kernels read shared pages through every row's table anyway
         if self.backend == "xla":
             # at least one column stays per row (a row may only read shared pages)
             shared = self._shared_width(width, run.width, page_width_floor(
-                min(scheduler.shared_prefix(slots, run.ps), run.width - 1)))
-        arrays = scheduler.pack_decode(slots, run.width, shared)
+                min(shared_prefix(slots, run.ps), run.width - 1)))
+        arrays = pack_decode(slots, run.width, shared)
         refill_at = cfg.max_num_seqs + 1
         if run.waiting:
             refill_at = max(1, min(len(run.waiting), cfg.max_num_seqs // 4))
@@ -132,7 +252,7 @@ class Runner:
         elif fresh_logits.shape[0] != width:
             fresh_logits = _resize_rows(fresh_logits, width)
         out = core.decode_chunk(
-            run.weights.params, self._pool(), fresh_logits, arrays.fresh,
+            params, self._pool(), fresh_logits, arrays.fresh,
             arrays.last_token, arrays.position, arrays.page_table, arrays.shared_pages,
             arrays.budget,
             arrays.sample_index, arrays.emitted, run.stops, np.int32(refill_at),
@@ -140,6 +260,4 @@ class Runner:
             steps=cfg.chunk_steps, mesh=self.mesh)
         *host, self.kv = out
         tokens, logprobs, counts, stopped, steps = jax.device_get(host)
-        run.steps += int(steps)
-        run.chunks += 1
-        return slots, (tokens, logprobs, counts, stopped)
+        return slots, (tokens, logprobs, counts, stopped), int(steps)

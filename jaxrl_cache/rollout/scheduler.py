@@ -1,6 +1,7 @@
 """Continuous-batching bookkeeping on the host (no model, no device): page math, unit
-layouts, packed arrays, and a call's queue and slots (`Run`: admission, resume, version
-stamping).
+layouts, and a call's queue and slots (`Run`: admission, resume, version stamping, and the
+record of what each core call computed). The arrays a core call takes are packed next to
+it, in runner.py.
 
 A rollout call is a queue of requests (`Request`: sample j of prompt g, in prompt order; or
 an episode's next turn, rollout/episodes.py). Requests are admitted in order into a fixed
@@ -28,7 +29,7 @@ import numpy as np
 
 from jaxrl_cache.cache import PackedTokens, RadixCache
 from jaxrl_cache.shapes import page_width_bucket
-from kernels_pallas._common import next_power_of_2
+from kernels_pallas import next_power_of_2
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -129,126 +130,6 @@ def resume_unit(row: Row, matched: np.ndarray, fresh: np.ndarray, page_size: int
                        row.max_new - len(row.tokens), page_size)
     row.pages, row.fresh, row.resume = laid.rows[0].pages, True, False
     return dataclasses.replace(laid, rows=(row,))
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillArrays:
-    """Packed inputs of one prefill launch (shapes bucketed by the caller's sizes)."""
-    tokens: np.ndarray  # int32 [T] new prompt tokens of every unit, packed
-    token_seq: np.ndarray  # int32 [T] unit of each token
-    token_pos: np.ndarray  # int32 [T] position in its prompt (-1 = padding)
-    page_table: np.ndarray  # int32 [S, W] the unit's first row's table
-    cu_q_lens: np.ndarray  # int32 [S+1]
-    kv_lens: np.ndarray  # int32 [S] prompt lengths
-    logit_slot: np.ndarray  # int32 [B] packed token whose logits slot b starts from
-    copy_src: np.ndarray  # int32 [B] partial prompt page to copy ... (0 -> 0 = none)
-    copy_dst: np.ndarray  # int32 [B] ... into a row's own first page
-
-
-def pack_prefill(units: list[tuple[Unit, list[int]]], num_tokens: int, num_seqs: int,
-                 width: int, num_slots: int, page_size: int) -> PrefillArrays:
-    """units: (unit, slot of each of its rows). Sizes T=num_tokens >= sum of new tokens,
-    S=num_seqs >= len(units), W=width >= any table, B=num_slots."""
-    tokens = np.zeros(num_tokens, np.int32)
-    token_seq = np.zeros(num_tokens, np.int32)
-    token_pos = np.full(num_tokens, -1, np.int32)
-    table = np.zeros((num_seqs, width), np.int32)
-    cu = np.zeros(num_seqs + 1, np.int32)
-    kv_lens = np.zeros(num_seqs, np.int32)
-    logit_slot = np.zeros(num_slots, np.int32)
-    copy_src = np.zeros(num_slots, np.int32)
-    copy_dst = np.zeros(num_slots, np.int32)
-    for s, (unit, slots) in enumerate(units):
-        lo, hi = cu[s], cu[s] + unit.new_tokens
-        tokens[lo:hi] = unit.prompt[unit.cached_tokens:]
-        token_seq[lo:hi] = s
-        token_pos[lo:hi] = np.arange(unit.cached_tokens, len(unit.prompt))
-        cu[s + 1] = hi
-        kv_lens[s] = len(unit.prompt)
-        first = unit.rows[0].pages
-        table[s, :first.size] = first
-        partial = len(unit.prompt) % page_size != 0
-        full = len(unit.prompt) // page_size
-        for row, slot in zip(unit.rows, slots):
-            logit_slot[slot] = hi - 1
-            if partial and row is not unit.rows[0]:
-                copy_src[slot], copy_dst[slot] = first[full], row.pages[full]
-    cu[len(units) + 1:] = cu[len(units)]
-    return PrefillArrays(tokens, token_seq, token_pos, table, cu, kv_lens, logit_slot,
-                         copy_src, copy_dst)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeArrays:
-    """Per-slot state sent to one decode chunk."""
-    fresh: np.ndarray  # bool [B] first token comes from the prefill logits
-    last_token: np.ndarray  # int32 [B] token whose KV the next step writes
-    position: np.ndarray  # int32 [B] its position (fresh rows: the prompt length)
-    page_table: np.ndarray  # int32 [B, W - S] each row's pages after the shared ones
-    shared_pages: np.ndarray  # int32 [S] first pages of every decoding row (shared_prefix)
-    budget: np.ndarray  # int32 [B] tokens the row may still emit (0 = empty slot)
-    sample_index: np.ndarray  # int32 [B] Row.index (its PRNG stream)
-    emitted: np.ndarray  # int32 [B] tokens emitted so far (position in its PRNG stream)
-
-
-MIN_DECODE_ROWS = 2  # XLA on CPU copies the whole KV pool per layer for a 1-row decode
-
-
-def slot_bucket(slots: list) -> int:
-    """Decode rows to compute: the first of 2, 4, 16, 64, 256, ... covering the last occupied
-    slot (capped at the slot count, never below 2), so a call with fewer rows than slots,
-    or a draining batch, stops paying for its empty slots; few shapes, one compile each."""
-    need = 1 + max((i for i, row in enumerate(slots) if row is not None), default=0)
-    rows = MIN_DECODE_ROWS if need <= MIN_DECODE_ROWS else 4
-    while rows < need:
-        rows *= 4
-    return min(rows, max(len(slots), MIN_DECODE_ROWS))
-
-
-def _next_position(row: Row) -> int:
-    """Position whose KV the row's next decode step writes (fresh rows: the prompt length)."""
-    return len(row.prompt) + len(row.tokens) - (0 if row.fresh else 1)
-
-
-def shared_prefix(slots: list, page_size: int) -> int:
-    """Leading pages every decoding row's table holds in common (the same physical pages: a
-    shared system prompt, one prompt's group), all before any row's next write, so no row
-    writes them in the chunk. 0 unless at least two rows decode."""
-    live = [row for row in slots if row is not None and not row.resume]
-    if len(live) < 2:
-        return 0
-    n = min(min(_next_position(row) // page_size, row.pages.size) for row in live)
-    tables = np.stack([row.pages[:n] for row in live])  # [rows, n]
-    return int(np.cumprod((tables == tables[0]).all(axis=0)).sum())
-
-
-def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
-    """slots: Row or None per decode slot; width: the run's table width. shared: leading
-    pages common to every decoding row (<= `shared_prefix`), sent once as shared_pages and
-    cut from page_table (then [B, width - shared])."""
-    b = len(slots)
-    fresh = np.zeros(b, bool)
-    last = np.zeros(b, np.int32)
-    pos = np.zeros(b, np.int32)
-    table = np.zeros((b, width - shared), np.int32)
-    shared_pages = np.zeros(shared, np.int32)
-    budget = np.zeros(b, np.int32)
-    index = np.zeros(b, np.int32)
-    emitted = np.zeros(b, np.int32)
-    for i, row in enumerate(slots):
-        if row is None or row.resume:  # a row waiting to be re-prefilled does not decode
-            continue
-        n = len(row.tokens)
-        fresh[i] = row.fresh
-        last[i] = row.tokens[-1] if n else 0
-        pos[i] = _next_position(row)
-        table[i, :row.pages.size - shared] = row.pages[shared:]
-        shared_pages = row.pages[:shared]  # the same in every decoding row
-        budget[i] = row.max_new - n
-        index[i] = row.index
-        emitted[i] = n
-    return DecodeArrays(fresh, last, pos, table, shared_pages.astype(np.int32), budget, index,
-                        emitted)
 
 
 def apply_chunk(slots: list, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
@@ -429,9 +310,20 @@ class Run:
             budget -= unit.new_tokens
         return units
 
-    def apply(self, slots: list, tokens, logprobs, counts, stopped) -> list[int]:
-        """A decode chunk's output (see apply_chunk) stamped with the run's version."""
-        return apply_chunk(slots, tokens, logprobs, counts, stopped, self.weights.version)
+    def record_prefill(self, logits, tokens: int) -> None:
+        """A packed prefill's result (runner.Runner.prefill): the logits fresh rows start
+        decoding from, and the prompt tokens it computed."""
+        self.fresh_logits = logits
+        self.computed += tokens
+        self.prefills += 1
+
+    def record_chunk(self, slots: list, chunk: tuple, steps: int, version: int) -> list[int]:
+        """A decode chunk's output (tokens, logprobs, counts, stopped; see apply_chunk)
+        stamped with `version`, the version whose params ran it. Returns the slots whose
+        rows finished."""
+        self.steps += steps
+        self.chunks += 1
+        return apply_chunk(slots, *chunk, version)
 
     def release_all(self) -> None:
         """On the way out (success or failure): drop every reference a running row holds;

@@ -6,7 +6,7 @@ trainer draws finished calls from the buffer, trains, and `publish`es the new pa
 syncs the engine between two decode chunks of the call in flight (engine kv_policy
 "recompute" or "keep"). Staleness is bounded twice: the buffer is bounded (the worker waits
 for a free place before it starts a call) and a drawn call whose oldest token lags the trainer
-by more than `max_policy_lag` (<= engine.MAX_POLICY_LAG) is dropped (counted) or refused
+by more than `max_policy_lag` (<= versioning.MAX_POLICY_LAG) is dropped (counted) or refused
 (StalenessError), as configured.
 
 Every call the worker starts is delivered exactly once: drawn, dropped as stale (counted),
@@ -45,10 +45,9 @@ import jax
 from jaxrl_cache.checks import as_count, as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
-from jaxrl_cache.rollout.engine import MAX_POLICY_LAG
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
-from jaxrl_cache.versioning import as_version
+from jaxrl_cache.versioning import MAX_POLICY_LAG, as_version
 
 
 @dataclasses.dataclass(frozen=True)

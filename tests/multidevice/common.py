@@ -9,7 +9,8 @@ import numpy as np
 import optax
 
 from jaxrl_cache.models import ModelConfig, init_params
-from jaxrl_cache.rl.train import TrainBatch, TrainState, make_batch
+from jaxrl_cache.rl.batch import TrainBatch, make_batch
+from jaxrl_cache.rl.train import TrainState
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
 from tests.helpers import teacher_forced_log_probs

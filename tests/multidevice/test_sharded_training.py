@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.parallel import make_mesh, train_state_shardings
-from jaxrl_cache.rl import train
+from jaxrl_cache.rl import batch as batch_module, train
+from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rl.checkpoint import restore_checkpoint, save_checkpoint
 from jaxrl_cache.rl.train import optimizer_counts, train_step
 from tests.multidevice import common
@@ -77,7 +78,7 @@ def test_step_keeps_the_layout_and_one_executable(run):
     assert wq.addressable_shards[0].data.shape == (1, 8, 64)  # d_model 32 over fsdp 4
     packed = run["call"][0][3]  # [U, M, B, R]: rows split over data x fsdp
     width = packed.tokens.shape[-1]  # planned for prompt + max_new_tokens
-    assert packed.tokens.shape == (1, 1, 8, width) and width % 32 == 0
+    assert packed.tokens.shape == (1, 1, 8, width) and width % 16 == 0
     assert packed.tokens.sharding.shard_shape(packed.tokens.shape) == (1, 1, 1, width)
     compiled = train._train_jit._cache_size()
     again, metrics = train_step(got, run["batch"], mesh=run["mesh"])
@@ -120,8 +121,8 @@ def test_rows_are_padded_to_the_mesh(run):
     placed = jax.device_put(state, train_state_shardings(state, run["mesh"]))
     got, call = recorded_step(placed, batch, run["mesh"])
     assert call[0][3].tokens.shape[:3] == (1, 1, 8)
-    train._PACKED_SHAPES.clear()  # the tightest single-device shape, not one packed before
-    assert train.pack_batch(batch, train.TrainConfig()).tokens.shape[2] < 8  # no mesh padding
+    batch_module._PACKED_SHAPES.clear()  # the tightest single-device shape, not one packed before
+    assert batch_module.pack_batch(batch, TrainConfig()).tokens.shape[2] < 8  # no mesh padding
     assert_same_step(got, train_step(state, batch))
 
 

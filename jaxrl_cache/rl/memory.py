@@ -1,0 +1,87 @@
+"""How much memory a train step needs, and refusing one that cannot fit before any work.
+
+Memory is set by a micro-batch, not the batch: samples are packed into micro-batches of at
+most `token_budget` tokens, log-probs come chunked (never [N, L, V] logits) and the layer
+scan is rematerialised (`remat`), so the estimate is the state plus one micro-batch's
+activations, independent of the batch size.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+
+from jaxrl_cache.models.llama import ModelConfig, init_params
+from jaxrl_cache.rl.packing import MAX_ROW
+from jaxrl_cache.rl.train_config import TrainConfig
+
+
+class TrainMemoryError(ValueError):
+    """A train step that cannot fit the device memory (raised before any work)."""
+
+
+def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
+                        row_length: int | None = None) -> dict:
+    """Rough peak bytes of one train step: the state (params, gradients, Adam moments, the
+    update's temporaries, and without donation a second params + Adam copy) plus the
+    activations of one micro-batch of `token_budget` tokens (each layer's saved input,
+    one layer's rematerialised backward, attention scores of rows of `row_length`, one
+    LM-head chunk; row_length None: the longest rows packing makes). Independent of the
+    batch size: that is the point of the budget."""
+    param = 4 * _param_count(config)
+    state = param * (5 if cfg.donate else 8)
+    act = 2 if cfg.compute_dtype == "bfloat16" else 4
+    t, d = cfg.token_budget, config.d_model
+    width = min(MAX_ROW if row_length is None else max(row_length, 1), t)
+    qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    saved = config.n_layers * t * d * act * (1 if cfg.remat != "none" else 12)
+    layer = 3 * t * (3 * config.d_ff + 8 * d + qkv) * act + 12 * t * config.n_heads * width
+    head = 4 * 4 * cfg.logprob_chunk * config.vocab_size
+    return dict(state=state, activations=saved + layer + head, total=state + saved + layer + head)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_count(config: ModelConfig) -> int:
+    """Parameters of a model (abstract init, once per config: train_step checks every call)."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+def available_bytes() -> int | None:
+    """Memory a step may use: the device's limit (accelerators), or on CPU this process's
+    resident memory plus the machine's available memory. None if unknown."""
+    stats = jax.local_devices()[0].memory_stats() or {}  # addressable in multi-process runs
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(meminfo["MemAvailable"].split()[0]) * 1024 + rss
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+MEMORY_SLACK = 1.25  # the estimate is rough: refuse only what clearly cannot fit
+
+
+def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
+                 available: int | None = None) -> None:
+    """Raises TrainMemoryError (one line, the numbers and the setting to change) if the
+    step's estimate exceeds MEMORY_SLACK x the available memory (default
+    `available_bytes()`; unknown: no check)."""
+    have = available_bytes() if available is None else available
+    need = estimate_step_bytes(config, cfg, row_length)
+    if have is None or need["total"] <= MEMORY_SLACK * have:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    per_token = max(need["activations"] / cfg.token_budget, 1.0)
+    fits = int((MEMORY_SLACK * have - need["state"]) / per_token) // 256 * 256
+    hint = (f"lower token_budget (--token-budget) to about {fits}" if fits >= 256 else
+            "the state alone does not fit: donate=True, a smaller model or more memory")
+    raise TrainMemoryError(
+        f"train step needs ~{gib(need['total'])} (state {gib(need['state'])} + "
+        f"{gib(need['activations'])} for micro-batches of {cfg.token_budget} tokens), "
+        f"{gib(have)} available; {hint}")
