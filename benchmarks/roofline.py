@@ -29,7 +29,7 @@ import math
 import pathlib
 
 from kernels_pallas import plan_decode
-from kernels_pallas._common import next_power_of_2
+from kernels_pallas import next_power_of_2
 
 
 @dataclasses.dataclass(frozen=True)
