@@ -127,7 +127,9 @@ def combine_blocks(o_blocks, l_blocks):
     chained over blocks, first block first; rows without a visible key are 0."""
     o = chain_sum(o_blocks, -3)
     denom = chain_sum(l_blocks, -2)
-    return o / jnp.where(denom > 0, denom, 1.0)[..., None]
+    # times the reciprocal, never a division by a broadcast (XLA turns that into this
+    # product in some programs only, and the kernels must follow one order)
+    return o * (1.0 / jnp.where(denom > 0, denom, 1.0))[..., None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -150,8 +150,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_ref
                           first, last, pages_per_block=pages_per_block, sm_scale=sm_scale,
                           mask=visible, key_valid=lambda i, bk: visible(i, bk)[0],
                           chunks=chunks, f32_scores=interpret)
-        denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
-        store_chunks(out_refs[0], tuple(top_rows(x / denom, plan.group_rows) for x in o),
+        inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]  # as blocked.combine_blocks
+        store_chunks(out_refs[0], tuple(top_rows(x * inv, plan.group_rows) for x in o),
                      chunks)
         return
     full_blocks = seq_len // plan.block_k  # blocks without a key past seq_len

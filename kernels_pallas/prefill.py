@@ -72,8 +72,8 @@ def _prefill_kernel(q_ref, k_ref, v_ref, pages_ref, info_ref, o_ref, *, sm_scale
                           pl.cdiv(kv_end, block_k), pages_per_block=pages_per_block,
                           sm_scale=sm_scale, mask=visible, key_valid=key_valid, chunks=chunks,
                           f32_scores=interpret)
-        denom = jnp.where(l > 0, l, 1.0)[:, None]  # a division, as blocked.combine_blocks
-        store_chunks(o_ref, tuple(x / denom for x in o), chunks)
+        inv = (1.0 / jnp.where(l > 0, l, 1.0))[:, None]  # as blocked.combine_blocks
+        store_chunks(o_ref, tuple(x * inv for x in o), chunks)
         return
     full_blocks = jnp.minimum(q_pos0 + 1, kv_len) // block_k  # visible to every row
     o, _, l = paged_flash_loop(load_chunks(q_ref, chunks), k_ref, v_ref, pages_ref,

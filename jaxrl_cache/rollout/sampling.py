@@ -145,7 +145,14 @@ def warped_logits(logits, temperature, top_p, top_k, kind: str):
     static filter `kind` (see filter_kind; "none" ignores top_p/top_k). temperature, top_p
     f32 []; top_k int32 [] (0 = off)."""
     greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    # logits / t as an IEEE division in every program. Written plainly, XLA rewrites a
+    # division by a broadcast scalar into logits * (1 / t), and XLA:CPU then contracts that
+    # product with the log-softmax's `- max` into one FMA in some fusions (the trainer's)
+    # and not in others (the sampler's): at t = 0.7 their log-probs differed in the last
+    # bit. The divisor is built per element (min(|x|, 0) + t == t), so it is no broadcast
+    # and the division stays one; a division is never contracted.
+    divisor = jnp.minimum(jnp.abs(logits), 0.0) + jnp.where(greedy, 1.0, temperature)
+    scaled = logits / divisor
     if kind == "none":
         return scaled
     use_k = (top_k > 0) & ~greedy
