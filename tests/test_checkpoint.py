@@ -357,10 +357,13 @@ def test_directory_lock(tmp_path):
 
 
 
-def test_a_step_pruned_while_a_reader_lists_steps_is_retried(tmp_path, state, monkeypatch):
+@pytest.mark.parametrize("vanished", [FileNotFoundError, NotADirectoryError])
+def test_a_step_pruned_while_a_reader_lists_steps_is_retried(tmp_path, state, monkeypatch,
+                                                             vanished):
     """orbax stats every step while it builds a manager: a step the writer prunes meanwhile
-    raises FileNotFoundError there. The reader rebuilds its manager (the restore succeeds);
-    if steps keep vanishing it raises CheckpointError, never FileNotFoundError."""
+    raises FileNotFoundError there (NotADirectoryError when it vanished between orbax's
+    exists() and is_dir(): seen in CI). The reader rebuilds its manager (the restore
+    succeeds); if steps keep vanishing it raises CheckpointError, never the OSError."""
     import jaxrl_cache.rl.checkpoint as ckpt
     save_checkpoint(tmp_path / "ckpt", state)
     real, failures = ckpt._manager, []
@@ -368,7 +371,7 @@ def test_a_step_pruned_while_a_reader_lists_steps_is_retried(tmp_path, state, mo
     def flaky(path, *args, **kw):
         if len(failures) < 2:
             failures.append(path)
-            raise FileNotFoundError(str(path / "1"))
+            raise vanished(str(path / "1"))
         return real(path, *args, **kw)
 
     monkeypatch.setattr(ckpt, "_manager", flaky)

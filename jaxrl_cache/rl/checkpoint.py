@@ -149,11 +149,12 @@ def _manager(path: pathlib.Path, max_to_keep: int | None = None, *,
 
 def _reader(path: pathlib.Path) -> ocp.CheckpointManager:
     """A read-only manager; rebuilt if the writer prunes a step while orbax lists the steps
-    (FileNotFoundError), up to RESTORE_ATTEMPTS times."""
+    (FileNotFoundError; NotADirectoryError when the step directory vanished between orbax's
+    exists() and is_dir()), up to RESTORE_ATTEMPTS times."""
     for attempt in range(1, RESTORE_ATTEMPTS + 1):
         try:
             return _manager(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if attempt == RESTORE_ATTEMPTS:
                 raise CheckpointError(f"{path}: steps kept disappearing while being listed "
                                       f"(a writer pruning faster than this reader)") from None
