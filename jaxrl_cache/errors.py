@@ -15,3 +15,9 @@ class CacheFullError(RuntimeError):
 
 class PinnedPagesError(RuntimeError):
     """Invalidation refused: live requests still hold pages of the versions to drop."""
+
+
+class RewardError(ValueError):
+    """A reward function raised, timed out, or gave a wrong count or a non-finite value
+    (rl/rewards.py); one line naming the step, the function and the sample. Nothing was
+    trained."""

@@ -252,12 +252,18 @@ def test_bundled_task_file_through_the_cli(tmp_path, capsys, monkeypatch):
 
 
 def test_summary_says_before_grpo_without_a_warm_start(tmp_path, capsys):
+    """(Also: --reward adds a TRL-shaped function to the answer reward, each logged.)"""
+    (tmp_path / "extra.py").write_text("def quarter(completions, **kwargs):\n"
+                                       "    return [0.25] * len(completions)\n")
     code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "1", "--out",
                      str(tmp_path / "run"), *SMALL_ARGS, "--sft-steps", "0",
-                     "--max-new-tokens", "3"])
+                     "--max-new-tokens", "3", "--reward", f"{tmp_path / 'extra.py'}:quarter=2"])
     assert code == 0
     text = capsys.readouterr().out
     assert "before GRPO" in text and "after SFT" not in text
+    row = read_rows(tmp_path / "run")[0]
+    assert row["rewards/quarter/mean"] == 0.25 and row["rewards/quarter/std"] == 0.0
+    assert row["reward"] == pytest.approx(row["rewards/answer/mean"] + 0.5)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

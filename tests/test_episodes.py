@@ -381,6 +381,11 @@ def test_grpo_steps_on_episodes(mode):
             assert rec["episodes"] == 4 and rec["audit_failed"] == 0
             assert rec["audited_samples"] == 4 and rec["updates"] == 2
             assert rec["audit_checked_tokens"] == rec["generated_tokens"] > 0
+            episodes = result.texts  # health fields count each episode's sampled tokens
+            assert rec["groups"] == len(TASKS) and rec["entropy"] > 0
+            assert rec["completion_length_max"] == max(e.sampled_tokens for _, e, _ in episodes)
+            assert rec["truncated_fraction"] == np.mean([e.finish_reason == "token_budget"
+                                                         for _, e, _ in episodes])
     finally:
         rollouts.close()
     assert int(state.version) == 4 and engine.version == 4

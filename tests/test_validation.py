@@ -382,16 +382,19 @@ def test_a_huge_integer_for_a_real_is_a_value_error(huge):
                                    "hidden_size"])
 def test_a_huge_integer_elsewhere_is_a_typed_error(field):
     """10**400 where a real is read: make_batch rewards, a reward function's value in
-    grpo_step (through _reward_value) and config.json fields are the library's one-line
+    grpo_step (through rl.rewards) and config.json fields are the library's one-line
     errors, never OverflowError (issue 32, defect 7)."""
     import json
+    from types import SimpleNamespace
     from jaxrl_cache.models.hf import ConfigError, config_from_hf
-    from jaxrl_cache.rl.loop import _reward_value
+    from jaxrl_cache.rl.rewards import RewardFn, Rewards
     with pytest.raises(ValueError, match="rewards must be finite"):
         make_batch(ROLLOUTS, [1.0, 10**400])
-    with pytest.raises(ValueError, match="reward must be finite.*1329 bits"):
-        _reward_value(10**400)
-    assert _reward_value(True) == 1.0 and _reward_value(np.float32(0.5)) == 0.5
+    items = [(None, SimpleNamespace(group=0), "")]
+    with pytest.raises(ValueError, match="'huge' on sample 0.*must be finite.*1329 bits"):
+        Rewards.of(RewardFn(lambda *_: 10**400, name="huge")).score(0, items, str)
+    assert [Rewards.of(lambda *_: v).score(0, items, str).totals for v in
+            (True, np.float32(0.5))] == [[1.0], [0.5]]
     from tests.hf_fixtures import FIXTURES
     hf = json.loads((FIXTURES / "qwen2" / "config.json").read_text())
     with pytest.raises(ConfigError, match=field):

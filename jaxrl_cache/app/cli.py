@@ -10,6 +10,8 @@ import sys
 import tempfile
 import time
 
+from jaxrl_cache.app import config_file
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxrl-cache", description=(
         "Attributable RL post-training in JAX: every sample carries the policy version that "
         "produced it, and prefix KV is never reused across versions."))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="SFT warm start + GRPO on a text task (CPU, ~3 min)",
                           description=(
@@ -53,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "run.json, metrics.jsonl, demo.png, checkpoints/, sft_model/, "
                               "final_model/ (the exported policy). Ctrl-C or SIGTERM stops "
                               "after the current step and saves; --resume continues."))
-    from jaxrl_cache.app.demo import DemoOptions
-    d = DemoOptions()
+    from jaxrl_cache.app.options import DemoOptions  # no jax: --help stays fast
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(DemoOptions)})
+    demo.add_argument("--config", metavar="FILE", help="read settings from a YAML or JSON "
+                      "mapping: the flags' names (dashes or underscores; async for --async), "
+                      "a list for --stop, true for a switch; flags given here override it; "
+                      "unknown names are an error")
     _policy_arguments(demo.add_argument_group("policy and task").add_argument)
     _grpo_arguments(demo.add_argument_group("warm start and GRPO").add_argument, d)
     _trainer_arguments(demo.add_argument_group("train step").add_argument, d)
@@ -69,21 +77,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("jaxrl-cache")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _policy_arguments(add) -> None:
-    add("--model", metavar="PATH", help="start from this Hugging Face model directory "
-        "(config.json, safetensors, tokenizer.json; Llama/Mistral/Qwen2/Qwen3) instead of the "
-        "built-in model; prompts use its chat template if it has one")
-    add("--task", metavar="FILE", help='JSONL task file, one {"prompt": ..., "answer": ...} '
-        "per line (e.g. examples/tasks/arithmetic.jsonl); default: the built-in "
-        "'repeat the number' task")
+    add("--model", metavar="PATH|ID", help="start from this Hugging Face model: a local "
+        "directory (config.json, safetensors, tokenizer.json; Llama/Mistral/Qwen2/Qwen3) or "
+        "a Hub id such as Qwen/Qwen2.5-0.5B-Instruct (needs huggingface_hub; read from its "
+        "cache, downloaded unless HF_HUB_OFFLINE=1) instead of the built-in model; prompts "
+        "use its chat template if it has one")
+    add("--task", metavar="FILE", help="task rows: a JSONL file (one object per line) or a "
+        'JSON list of objects, each with a prompt and an answer, e.g. {"prompt": ..., '
+        '"answer": ...} (examples/tasks/add.jsonl); every 4th row is held out for '
+        "evaluation; default: the built-in 'repeat the number' task")
+    add("--prompt-key", metavar="KEY", help="with --task: the rows' prompt field, text or "
+        "chat messages [{role, content}, ...] [prompt; GSM8K: question]")
+    add("--answer-key", metavar="KEY", help="with --task: the rows' answer field, a string "
+        "or a number; an answer holding '####' is GSM8K's: what follows the last '####', "
+        "commas removed, is the answer [answer]")
+    add("--system-prompt", metavar="TEXT", help="with --task: a system message before each "
+        "prompt (the model's chat template renders it)")
     add("--env", choices=["calculator"], help="multi-turn episodes instead of single "
         "completions: 3-digit multiplication with a calculator tool the policy calls in "
         "writing (c:123*456); the warm start teaches the tool format, rewards come from the "
         "environment, every sampled token of every turn is audited (built-in model only)")
-    add("--answer-regex", metavar="REGEX", help="with --task: reward 1 if the last match of "
-        "REGEX in the completion (its first group if any) equals the answer, else 0 "
-        "(GSM8K style: '####\\s*(-?[\\d.,]+)'); default: exact match of the whole "
-        "completion (whitespace stripped)")
+    add("--answer-regex", metavar="REGEX", help="with --task: the completion's answer is the "
+        "last match of REGEX (its first group if any); no match scores 0 [numeric and "
+        "math-verify checks: the last \\boxed{...} or '#### ...' line, else the whole "
+        "completion; exact: the whole completion (whitespace stripped)]")
+    add("--answer-check", choices=["exact", "numeric", "math-verify"], help="with --task: "
+        "how the answer is compared with the reference (reward 1 or 0): exact strings; "
+        "numeric (72. = 72, 1,000 = 1000, 3/4 = 0.75 = \\frac{3}{4}, else strings without "
+        "spaces; a reference ending in '#### N' is N); math-verify (pip install "
+        "'jaxrl-cache[math]') [numeric; the built-in task: exact]")
+    add("--reward", dest="rewards", action="append", metavar="MODULE:FUNCTION[=WEIGHT]",
+        help="an extra reward added to the answer reward with WEIGHT [1] (repeat the flag "
+        "for several): a function in an importable module or a .py file (path/to/file.py:"
+        "fn), called as TRL calls one: fn(prompts=, completions=, completion_ids=, answer=, "
+        "<the task row's fields>) -> a list of float or None (None: not applicable); a "
+        "jaxrl_cache.rl.rewards.RewardFn there is used as declared (per sample or batched, "
+        "threads, timeout); logged as rewards/<name>/mean|std")
 
 
 def _grpo_arguments(add, d) -> None:
@@ -110,13 +148,39 @@ def _grpo_arguments(add, d) -> None:
         help="generation budget per sample [built-in task: answer + <eos>; --task: 64]")
     add("--temperature", type=_natural_float, default=d.temperature,
         help="sampling temperature of rollouts and evaluation [%(default)s]")
+    add("--top-p", type=_number(float, "a number in (0, 1]", lambda v: 0 < v <= 1),
+        default=d.top_p, help="nucleus sampling of rollouts and sampled evals [%(default)s]")
+    add("--top-k", type=_natural_int, default=d.top_k,
+        help="sample among the k likeliest tokens; 0: off [%(default)s]")
+    add("--stop", action="append", metavar="TEXT", help="a stop string (repeat the flag for "
+        "several): a completion ends at its first occurrence [none]")
+    add("--include-stop-str-in-output", action="store_true",
+        help="keep the stop string in the completion's text (rewards see it)")
     add("--lr", type=_positive_float, default=None, help="GRPO peak learning rate "
         "[3e-3; 3e-4 with --env]")
     add("--warmup-steps", type=_natural_int, default=d.warmup_steps,
         help="GRPO linear learning-rate warmup [%(default)s]")
+    add("--weight-decay", type=_natural_float, default=d.weight_decay,
+        help="decoupled weight decay of the GRPO optimizer (AdamW style) [%(default)s]")
+    add("--max-grad-norm", type=_positive_float, default=d.max_grad_norm,
+        help="gradients are clipped to this global norm [%(default)s]")
+    add("--adam-b1", type=_number(float, "a number in [0, 1)", lambda v: 0 <= v < 1),
+        default=d.adam_b1, help="Adam's first-moment decay [%(default)s]")
+    add("--adam-b2", type=_number(float, "a number in [0, 1)", lambda v: 0 <= v < 1),
+        default=d.adam_b2, help="Adam's second-moment decay [%(default)s]")
     add("--eval-prompts", type=_positive_int, default=d.eval_prompts,
         help="fixed prompts scored (exact match, one sample each) before and after GRPO "
              "[%(default)s]")
+    add("--eval-every", type=_natural_int, default=d.eval_every,
+        help="also evaluate the held-out prompts every N GRPO steps; the step's metrics row "
+             "gains eval/exact_match (eval/pass@K with --eval-k K > 1, "
+             "eval/greedy_exact_match with --eval-greedy); 0: before and after GRPO only "
+             "[%(default)s]")
+    add("--eval-k", type=_positive_int, default=d.eval_k,
+        help="samples per eval prompt: exact match is their mean, pass@K the fraction of "
+             "prompts with at least one right [%(default)s]")
+    add("--eval-greedy", action="store_true",
+        help="every eval also scores one greedy (temperature 0) completion per prompt")
 
 
 def _trainer_arguments(add, d) -> None:
@@ -134,6 +198,28 @@ def _trainer_arguments(add, d) -> None:
     add("--loss-type", choices=["dapo", "grpo", "dr_grpo"], default=d.loss_type,
         help="loss aggregation (TRL's names): token mean, mean of per-sequence token means, "
              "or token sum / (sequences x max new tokens) [%(default)s]")
+    add("--epochs", type=_positive_int, default=d.epochs,
+        help="passes over a step's batch; updates per step = --mini-batches x --epochs "
+             "[%(default)s]")
+    add("--clip-eps", type=_positive_float, default=d.clip_eps,
+        help="PPO clip range: the ratio is clipped to [1 - eps, 1 + eps] [%(default)s]")
+    add("--dual-clip", type=_number(float, "a number > 1", lambda v: 1 < v < float("inf")),
+        default=d.dual_clip, help="dual-clip PPO: bounds the ratio's pull on negative "
+        "advantages at this (> 1) [off]")
+    add("--is-cap", type=_number(float, "a number >= 1", lambda v: 1 <= v < float("inf")),
+        default=d.is_cap, help="with --correction decoupled: importance weights truncated "
+        "at this [%(default)s]")
+    add("--kl-beta", type=_natural_float, default=d.kl_beta,
+        help="weight of a k3 KL penalty to the policy GRPO started from (kept in memory "
+             "beside the trained one); 0: none [%(default)s]")
+    add("--remat", choices=["full", "dots", "none"], default=d.remat,
+        help="rematerialisation of the layer scan in the train step (memory vs time) "
+             "[%(default)s]")
+    add("--compute-dtype", choices=["float32", "bfloat16"], default=d.compute_dtype,
+        help="train-step compute dtype (params and optimizer state stay fp32) "
+             "[%(default)s]")
+    add("--logprob-chunk", type=_positive_int, default=d.logprob_chunk,
+        help="positions per LM-head chunk of the train step's log-probs [%(default)s]")
 
 
 def _engine_arguments(add, d) -> None:
@@ -171,10 +257,17 @@ def _run_arguments(add, d) -> None:
              "a kill -9 loses at most k steps) [%(default)s]")
     add("--out", default=d.out, help="output directory [%(default)s]")
     add("--resume", action="store_true",
-        help="continue the run in --out from its latest checkpoint with its saved options "
-             "(only --steps may change); metrics.jsonl is cut to the checkpoint's steps")
+        help="continue the run in --out from its latest checkpoint with its saved options; "
+             "a setting given (flag or --config) that differs from the run's is refused, "
+             "except --steps, --checkpoint-every, --eval-every and --report-to; "
+             "metrics.jsonl is cut to the checkpoint's steps")
     add("--overwrite", action="store_true",
         help="replace the previous run in --out (its demo files only)")
+    add("--report-to", metavar="SINKS", default=d.report_to,
+        help="also send each step's numeric metrics, as it completes, to these sinks "
+             "(comma-separated): tensorboard (--out/tensorboard/), csv (--out/metrics.csv), "
+             "wandb (offline, --out/wandb/; needs wandb installed), or none; metrics.jsonl "
+             "is always written [none]")
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -189,9 +282,10 @@ def _demo(args) -> int:
     from jaxrl_cache.app.demo import DemoOptions, run_demo
     from jaxrl_cache.errors import CacheFullError
     try:
-        opts = DemoOptions(**{f.name: getattr(args, f.name)
+        opts = DemoOptions(**{f.name: f.default if getattr(args, f.name) is None
+                              else getattr(args, f.name)
                               for f in dataclasses.fields(DemoOptions)})
-        s = run_demo(opts)
+        s = run_demo(opts, given=args.given)
     except (ValueError, OSError, CacheFullError) as e:  # CheckpointError, ConfigError too
         print(f"jaxrl-cache demo: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
@@ -259,8 +353,33 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        argv = _with_config(parser, argv, args.config)
+        args = parser.parse_args(argv)
+        # what was set explicitly (a --resume compares exactly these with the run's)
+        args.given = config_file.given_names(_subparser(build_parser(), "demo"),
+                                             argv[argv.index("demo") + 1:])
     return {"demo": _demo, "bench": _bench}[args.command](args)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return parser._subparsers._group_actions[0].choices[name]
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: list[str], path) -> list[str]:
+    """argv with the --config file's settings inserted after `demo` (flags given on the
+    command line come later, so they win); a bad file exits 2 with one line."""
+    if path is None:
+        return argv
+    try:
+        settings = config_file.config_argv(path, _subparser(parser, "demo"))
+    except ValueError as e:
+        parser.exit(2, f"jaxrl-cache demo: error: {e}".splitlines()[0] + "\n")
+    at = argv.index("demo") + 1
+    return argv[:at] + settings + argv[at:]
 
 
 if __name__ == "__main__":

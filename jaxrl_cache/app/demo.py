@@ -1,7 +1,8 @@
 """The main job: SFT warm start -> GRPO on a text task, end to end, through HF directories.
 
-1. Policy: `--model PATH` (a Hugging Face directory with its tokenizer), or the built-in
-   small model with a character tokenizer, written to `out/base_model` and read back.
+1. Policy: `--model PATH|ID` (a Hugging Face directory with its tokenizer, or a Hub id:
+   models/hub.py), or the built-in small model with a character tokenizer, written to
+   `out/base_model` and read back.
 2. Warm start (`--sft-steps`): teacher-forced cross-entropy on reference answers, saved as
    `out/sft_model`. RL starts from the HF directory read back (`from_pretrained`).
 3. GRPO: each step, rollout at the current version (one call by default: the samples of a
@@ -39,141 +40,44 @@ from tqdm import tqdm
 
 from jaxrl_cache.app.calculator import CalculatorEnv, CalculatorTask, parse_call, tool_sft_pairs
 from jaxrl_cache.app.mesh_layout import MeshLayout
+from jaxrl_cache.app.options import (ENVS, MAX_CHUNK_STEPS, MAX_COUNT, MAX_SEED,  # noqa: F401
+                                      RESUMABLE, DemoOptions, resume_differences,
+                                      train_config)
 from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_kv_cache, init_params,
                                load_tokenizer, save_pretrained)
 from jaxrl_cache.models.hf import config_from_hf, read_json
+from jaxrl_cache.models.hub import resolve_model
+from jaxrl_cache.rl.evaluate import evaluate as evaluate_policy
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
 from jaxrl_cache.rl.sft import pack_completions, sft_step
+from jaxrl_cache.rl.sinks import Sinks, make_sinks
+from jaxrl_cache.rl.health import SpreadWatch
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
 from jaxrl_cache.rl.memory import available_bytes, check_memory, estimate_step_bytes
+from jaxrl_cache.rl.rewards import RewardFn, Rewards, load_reward
 from jaxrl_cache.rl.train import TrainState, make_optimizer
 from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from jaxrl_cache.rollout.scheduler import pages_for
 from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
 
-MAX_SEED = 2**32 - 1
-ENVS = ("calculator",)
-MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 MIN_KV_PAGES = 512  # the smallest pool --kv-pages picks when not given (cached prefixes)
-MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_steps] outputs)
-MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
 HOST_BYTES_PER_TOKEN = 256  # rough host memory per token of a step's samples (token tuples,
 #                             log-probs, versions, masks, the packed batch)
+MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare
+
+# DemoOptions, its checks and train_config live in app/options.py (no jax: a fast --help)
+_train_config = train_config
 
 
-@dataclasses.dataclass(frozen=True)
-class DemoOptions:
-    steps: int = 120  # GRPO steps (= final policy version)
-    sft_steps: int | None = None  # at most; None: 300 for the built-in model, 0 with --model
-    sft_stop_loss: float | None = None  # the warm start stops once its smoothed token loss
-    #   is below this; None: 0.5, or 0.2 with --env calculator (the tool format needs more)
-    sft_lr: float = 5e-3
-    sft_batch: int = 32
-    group_size: int = 8
-    prompts_per_step: int = 8
-    rollout_calls: int = 1  # rollout calls per step (> 1: later ones hit the cached prefix;
-    # decode reads every weight once per step of a call, so one call of all rows is fastest)
-    max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --task
-    temperature: float = 1.0
-    lr: float | None = None  # GRPO peak lr; None: 3e-3, or 3e-4 with --env calculator
-    warmup_steps: int = 5
-    eval_prompts: int = 64
-    checkpoint_every: int = 10
-    kv_pages: int | None = None  # None: sized from the job (`_job_kv_pages`)
-    chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
-    seed: int = 0
-    backend: str = "auto"
-    model: str | None = None
-    task: str | None = None
-    env: str | None = None  # "calculator": multi-turn episodes with a tool (ENVS)
-    answer_regex: str | None = None
-    out: str = "runs/demo"
-    resume: bool = False
-    overwrite: bool = False
-    async_rollouts: bool = False  # a RolloutWorker generates while the trainer trains
-    kv_policy: str = "recompute"  # async: what an update does to rows in flight
-    max_policy_lag: int = 1  # async: steps a trained sample's oldest token may lag behind
-    mini_batches: int = 1  # optimizer updates per step (the batch split into this many)
-    token_budget: int = 4096  # tokens per training micro-batch (sets the trainer's memory)
-    loss_type: str = "dapo"  # "dapo" token mean, "grpo" sequence mean, "dr_grpo"
-    correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip
-    #   against behavior; "decoupled": proximal = the params before the step's first update)
-    mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
-
-    def __post_init__(self):
-        for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",
-                     "eval_prompts", "checkpoint_every", "kv_pages", "chunk_steps", "max_new_tokens",
-                     "sft_steps", "warmup_steps"):
-            value = getattr(self, name)
-            low = 0 if name in ("sft_steps", "warmup_steps") else 1
-            if value is None and name in ("sft_steps", "max_new_tokens", "kv_pages"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
-                                 f"got {value!r}")
-            high = MAX_CHUNK_STEPS if name == "chunk_steps" else MAX_COUNT
-            if value > high:
-                raise ValueError(f"--{name.replace('_', '-')} must be at most {high}, got "
-                                 f"{value}")
-        if self.group_size < 2:
-            raise ValueError("--group-size must be >= 2: GRPO advantages compare samples of "
-                             "a group")
-        if self.prompts_per_step % self.rollout_calls:
-            raise ValueError(f"--prompts-per-step ({self.prompts_per_step}) must be a multiple "
-                             f"of --rollout-calls ({self.rollout_calls})")
-        if self.env not in (None,) + ENVS:
-            raise ValueError(f"--env must be one of {ENVS}, got {self.env!r}")
-        if self.env is not None and (self.task is not None or self.model is not None):
-            raise ValueError("--env calculator runs the built-in model on its own questions; "
-                             "it excludes --task and --model")
-        for name in ("lr", "sft_lr", "sft_stop_loss"):
-            if name in ("lr", "sft_stop_loss") and getattr(self, name) is None:
-                continue
-            if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
-                                 f"got {getattr(self, name)}")
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"--temperature must be a finite number >= 0, got "
-                             f"{self.temperature}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {self.seed!r}")
-        if self.kv_policy not in ("recompute", "keep"):
-            raise ValueError(f"--kv-policy must be 'recompute' or 'keep', got "
-                             f"{self.kv_policy!r}")
-        if isinstance(self.max_policy_lag, bool) or not isinstance(self.max_policy_lag, int) \
-                or not 0 <= self.max_policy_lag <= MAX_POLICY_LAG:
-            raise ValueError(f"--max-policy-lag must be an integer in [0, {MAX_POLICY_LAG}], "
-                             f"got {self.max_policy_lag!r}")
-        _train_config(self, async_rollouts=self.async_rollouts)  # TrainConfig checks them
-        if self.mini_batches > self.prompts_per_step * self.group_size:
-            raise ValueError(f"--mini-batches ({self.mini_batches}) exceeds the samples of a "
-                             f"step ({self.prompts_per_step * self.group_size})")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite exclude each other")
-        if self.answer_regex is not None and self.task is None:
-            raise ValueError("--answer-regex applies to a --task file; the built-in task "
-                             "scores exact matches")
-        Reward(self.answer_regex)  # validates the regex
-        if self.mesh is not None:
-            MeshLayout.parse(self.mesh)
-        out = pathlib.Path(self.out)
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out} is a file, not a directory")
-
-
-def _train_config(opts: DemoOptions, *, async_rollouts: bool) -> TrainConfig:
-    """The trainer's settings; the synchronous loop donates the old state (the audit needs
-    only the current version's params, the engine holds its own copy)."""
-    return TrainConfig(correction=opts.correction, mini_batches=opts.mini_batches,
-                       token_budget=opts.token_budget, loss_type=opts.loss_type,
-                       donate=not async_rollouts and opts.mesh is None)
+def _optimizer(opts: DemoOptions):
+    return make_optimizer(weight_decay=opts.weight_decay, max_grad_norm=opts.max_grad_norm,
+                          b1=opts.adam_b1, b2=opts.adam_b2)
 
 
 def _lr_schedule(opts: DemoOptions):
@@ -186,20 +90,34 @@ def builtin_model_config(vocab_size: int) -> ModelConfig:
     return ModelConfig.tiny(vocab_size=vocab_size, max_seq_len=128)
 
 
-def _prepare(opts: DemoOptions):
+def _prepare(opts: DemoOptions, given=None):
     """(options, run directory, saved run record or None, task, mesh layout or None).
 
     A new run checks its inputs before it touches --out, then locks --out (one run per
     directory) and checks it against --overwrite. A resumed run locks --out, then reads its
-    record and keeps the saved options except --steps, then checks the inputs."""
+    record, refuses settings in `given` that differ from its saved options (except
+    RESUMABLE: --steps, --checkpoint-every, --eval-every, --report-to, which the command line
+    sets), keeps the saved options for the rest, then checks the inputs. `given`: the names
+    the caller set explicitly (None: every option that differs from its default)."""
     run, record = RunDir(opts.out), None
     if opts.resume:
         if not run.run_file.exists():
             raise ValueError(f"--resume: {run.path} holds no demo run (no {RUN_FILE})")
         run.lock()
         record = run.read_record()
+        given = {f.name for f in dataclasses.fields(opts) if getattr(opts, f.name) !=
+                 f.default} if given is None else set(given)
+        differences = resume_differences(record["options"], opts, given)
+        if differences:
+            raise ValueError(f"--resume: {run.path} was started with other settings: "
+                             f"{'; '.join(differences)}; only --steps, --checkpoint-every, "
+                             f"--eval-every and --report-to may change (or start over with "
+                             f"--overwrite)")
         saved = {k: v for k, v in record["options"].items()
-                 if k not in ("steps", "resume", "overwrite", "out")}
+                 if k not in ("steps", "resume", "overwrite", "out", "report_to")
+                 and not (k in RESUMABLE and k in given)}
+        if record["options"].get("task") and "answer_check" not in record["options"]:
+            saved["answer_check"] = "exact"  # a run from before --answer-check scored so
         try:
             opts = dataclasses.replace(opts, **saved)
         except (TypeError, ValueError) as e:
@@ -228,9 +146,10 @@ def _check_inputs(opts: DemoOptions):
         tokenizer, model = char_tokenizer(), "the built-in model"
         config = builtin_model_config(tokenizer.vocab_size)
     else:
-        config_file = pathlib.Path(opts.model) / "config.json"
+        model_dir = resolve_model(opts.model)  # a local directory, or a Hub id's snapshot
+        config_file = model_dir / "config.json"
         config = config_from_hf(read_json(config_file), source=str(config_file))
-        tokenizer, model = load_tokenizer(opts.model), f"--model {opts.model}"
+        tokenizer, model = load_tokenizer(model_dir), f"--model {opts.model}"
     row = _longest_sample(opts, task, tokenizer, config.max_seq_len, model)
     opts = dataclasses.replace(opts, kv_pages=_job_kv_pages(opts, config, row))
     _check_job(opts, config, row, layout)
@@ -247,7 +166,7 @@ def _job_kv_pages(opts: DemoOptions, config: ModelConfig, row: int) -> int:
         return opts.kv_pages
     per_sample = pages_for(row - 1, PAGE_SIZE)
     samples = max(opts.prompts_per_step // opts.rollout_calls * opts.group_size,
-                  opts.eval_prompts)
+                  opts.eval_prompts * opts.eval_k)
     pages = max(MIN_KV_PAGES, samples * per_sample + 1)
     have = available_bytes()
     if have is not None:
@@ -306,9 +225,12 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
                          f"{row} tokens in a training micro-batch; use --token-budget {row} "
                          f"or more")
     _check_memory(opts, config, train, row)
+    if opts.kl_beta > 0 and layout is not None:
+        raise ValueError("--kl-beta with --mesh: the reference policy is not placed on the "
+                         "trainer's devices; run it on one device")
     if layout is not None:
         state = jax.eval_shape(lambda: TrainState.create(
-            init_params(config, jax.random.key(0)), make_optimizer(), config=config,
+            init_params(config, jax.random.key(0)), _optimizer(opts), config=config,
             lr_schedule=_lr_schedule(opts)))
         layout.build(config, state, opts.prompts_per_step * opts.group_size)
     if opts.backend == "pallas" and jax.default_backend() != "gpu":
@@ -327,7 +249,7 @@ def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
     pool = _pool_bytes(config, opts.kv_pages)
     one = estimate_step_bytes(config, dataclasses.replace(train, token_budget=row), row)
     sft = one["state"] + opts.sft_batch * one["activations"] if _sft_steps(opts) else 0
-    samples = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts)
+    samples = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts * opts.eval_k)
     for what, need in ((f"--kv-pages {opts.kv_pages}: a KV pool", pool),
                        (f"--sft-batch {opts.sft_batch}: a warm-start step", sft),
                        (f"{samples} samples (--prompts-per-step x --group-size, "
@@ -349,14 +271,22 @@ def _make_task(opts: DemoOptions):
         return CalculatorTask()
     if opts.task is None:
         return CopyDigits()
-    return JsonlTask(opts.task, Reward(opts.answer_regex))
+    return JsonlTask(opts.task, Reward(opts.answer_regex, opts.answer_check or "numeric"),
+                     prompt_key=opts.prompt_key,
+                     answer_key=opts.answer_key, system_prompt=opts.system_prompt)
 
 
-def _encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Plain text, or the model's chat template (one user message) when it has one."""
-    if tokenizer.chat_template is not None:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    return [tokenizer.encode(t) for t in texts]
+def _encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    """Plain text, or the model's chat template (one user message) when it has one; chat
+    messages (a task's chat prompts, --system-prompt) need the template."""
+    if tokenizer.chat_template is None:
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("chat-format prompts (lists of messages, or --system-prompt) "
+                             "need a model with a chat template; this one has none")
+        return [tokenizer.encode(p) for p in prompts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]
+                                          if isinstance(p, str) else list(p))
+            for p in prompts]
 
 
 def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pathlib.Path:
@@ -395,7 +325,7 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
 def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
     """The HF directory RL starts from (built-in model written first if no --model)."""
     if opts.model is not None:
-        base = pathlib.Path(opts.model)
+        base = resolve_model(opts.model)
     else:
         tokenizer = char_tokenizer()
         config = builtin_model_config(tokenizer.vocab_size)
@@ -429,25 +359,34 @@ class _Stop:
                    f"(Ctrl-C again to abort)")
 
 
-def _evaluate(engine, params, version, tokenizer, task, opts, sampling, key) -> float:
-    """Exact-match success on `eval_prompts` fixed prompts (`task.eval_examples`: a task
-    file's held-out part), one sample (--env: one episode) each."""
+def _evaluate(engine, state, tokenizer, task, opts, sampling, key) -> dict:
+    """rl.evaluate's metrics on `eval_prompts` fixed prompts (`task.eval_examples`: a task
+    file's held-out part): --eval-k samples (--env: episodes) each, exact match (the
+    environment's reward of 1 with --env), and a greedy completion each with --eval-greedy."""
     examples = task.eval_examples(np.random.default_rng([opts.seed, 2]), opts.eval_prompts)
     if opts.env:
-        batch = engine.rollout_episodes(params, version, examples, CalculatorEnv,
-                                        dataclasses.replace(sampling, n=1), rng=key,
-                                        max_turns=MAX_TURNS)
-        return float(np.mean([e.reward == 1.0 for e in batch.episodes]))
-    batch = engine.rollout(params, version, _encode_prompts(tokenizer, [e.prompt for e in
-                                                                        examples]),
-                           dataclasses.replace(sampling, n=1), rng=key)
-    return float(np.mean([task.reward(tokenizer.decode(s.output_ids), examples[s.group].answer)
-                          == 1.0 for s in batch.samples]))
+        prompts, episodes = examples, dict(env_factory=CalculatorEnv, max_turns=MAX_TURNS)
+
+        def correct(i, episode, text) -> bool:
+            return episode.reward == 1.0
+    else:
+        prompts, episodes = _encode_prompts(tokenizer, [e.prompt for e in examples]), None
+
+        def correct(i, sample, text) -> bool:
+            return task.reward(text, examples[i].answer) == 1.0
+    return evaluate_policy(engine, state.params, int(state.version), prompts, correct,
+                           sampling, rng=key, k=opts.eval_k, greedy=opts.eval_greedy,
+                           decode=tokenizer.decode, episodes=episodes)
 
 
 def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float,
           start_label: str) -> None:
-    import matplotlib
+    try:  # optional: the `plot` extra
+        import matplotlib
+    except ImportError:
+        tqdm.write(f"matplotlib is not installed: no {path.name} (pip install "
+                   f"'jaxrl-cache[plot]'); metrics.jsonl holds every step")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     steps = [r["step"] for r in rows]
@@ -473,10 +412,12 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float,
     plt.close(fig)
 
 
-def run_demo(opts: DemoOptions) -> dict:
-    """Runs (or resumes) the demo; returns the summary. See the module doc."""
+def run_demo(opts: DemoOptions, *, given=None) -> dict:
+    """Runs (or resumes) the demo; returns the summary. See the module doc. given: the
+    option names the caller set explicitly (the CLI: flags and --config); a --resume refuses
+    those that differ from the run's (None: the options that differ from their defaults)."""
     t_start = time.perf_counter()
-    opts, run, record, task, layout = _prepare(opts)
+    opts, run, record, task, layout = _prepare(opts, given)
     loaded = _load_policy(opts, run, record, task, layout)
     train = _train_config(opts, async_rollouts=opts.async_rollouts)
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
@@ -491,12 +432,12 @@ def run_demo(opts: DemoOptions) -> dict:
     seed_key = jax.random.key(opts.seed)
     record = loaded.record
 
-    def evaluate(state) -> float:
-        return _evaluate(engine, state.params, int(state.version), loaded.tokenizer, task, opts,
-                         loaded.sampling, jax.random.fold_in(seed_key, 2**30))
+    def evaluate(state) -> dict:  # the same prompts and key every time
+        return _evaluate(engine, state, loaded.tokenizer, task, opts, loaded.sampling,
+                         jax.random.fold_in(seed_key, 2**30))
 
     if "sft_exact_match" not in record:
-        record["sft_exact_match"] = evaluate(loaded.state)
+        record["sft_exact_match"] = evaluate(loaded.state)["exact_match"]
         run.write_record(record)
     tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
                f"{record['sft_exact_match']:.3f}")
@@ -505,8 +446,9 @@ def run_demo(opts: DemoOptions) -> dict:
     rollouts = _rollouts(opts, engine, source, loaded.sampling, lag, seed_key, loaded.state,
                          start_step)
     state, rows, stop, buffer_metrics = _grpo_loop(
-        opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step)
-    rl_exact = None if stop.requested else evaluate(state)
+        opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step,
+        evaluate=evaluate)
+    rl_exact = None if stop.requested else evaluate(state)["exact_match"]
     exported = save_pretrained(run.path / "final_model", loaded.config, state.params,
                                tokenizer=loaded.tokenizer)
     warm_started = _sft_steps(opts) > 0
@@ -532,6 +474,7 @@ class _Loaded:
     devices: str
     start_version: int
     rows: list  # the metrics rows of the steps run before (a resumed run)
+    ref_params: object = None  # --kl-beta > 0: the policy GRPO started from (a copy)
 
 
 def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
@@ -551,11 +494,15 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
             run.write_record(record)
         policy = pathlib.Path(record["policy"])
         config, params = from_pretrained(policy)
+        ref_params = jax.tree.map(jnp.copy, params) if opts.kl_beta > 0 else None  # the
+        #   state's own arrays may be donated by the train step
         tokenizer = load_tokenizer(policy)
         sampling = SamplingParams(n=opts.group_size, max_new_tokens=_max_new_tokens(opts, task),
-                                  temperature=opts.temperature,
+                                  temperature=opts.temperature, top_p=opts.top_p,
+                                  top_k=opts.top_k, stop=opts.stop,
+                                  include_stop_str_in_output=opts.include_stop_str_in_output,
                                   stop_token_ids=tokenizer.stop_token_ids)
-        state = TrainState.create(params, make_optimizer(), config=config,
+        state = TrainState.create(params, _optimizer(opts), config=config,
                                   lr_schedule=_lr_schedule(opts))
         placement = None if layout is None else layout.build(
             config, state, opts.prompts_per_step * opts.group_size)
@@ -576,13 +523,13 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
             run.clear()
         raise
     return _Loaded(record, policy, config, tokenizer, sampling, state, placement, devices,
-                   start_version, rows)
+                   start_version, rows, ref_params)
 
 
 @dataclasses.dataclass(frozen=True)
 class _PromptSource:
     prompts_of: Callable  # call -> (prompts, examples)
-    reward: Callable | None  # (examples, sample, text) -> float; None: episode returns
+    reward: Rewards | None  # the answer reward and --reward's; None: episode returns
     exact: Callable  # (examples, sample, text) -> bool
     episodes: dict | None  # rollout_episodes keyword arguments (--env)
 
@@ -600,7 +547,7 @@ def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
             return examples, examples
         return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
 
-    def reward(examples, sample, text: str) -> float:
+    def answer(examples, sample, text: str) -> float | None:
         return task.reward(text, examples[sample.group].answer)
 
     def exact(examples, sample, text: str) -> bool:
@@ -608,8 +555,14 @@ def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
             return sample.reward == 1.0
         return task.reward(text, examples[sample.group].answer) == 1.0
 
+    def columns(examples, sample) -> dict:  # --reward functions' keywords, as TRL's
+        e = examples[sample.group]
+        return {**(getattr(e, "row", None) or {"answer": e.answer}), "prompt": e.prompt}
+
     episodes = dict(env_factory=CalculatorEnv, max_turns=MAX_TURNS) if opts.env else None
-    return _PromptSource(prompts_of, None if opts.env else reward, exact, episodes)
+    rewards = None if opts.env else Rewards(
+        (RewardFn(answer, name="answer"), *map(load_reward, opts.rewards)), columns=columns)
+    return _PromptSource(prompts_of, rewards, exact, episodes)
 
 
 def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: int, seed_key,
@@ -625,10 +578,12 @@ def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: i
 
 
 def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _Loaded,
-               rollouts, history: PolicyHistory, train: TrainConfig, start_step: int):
+               rollouts, history: PolicyHistory, train: TrainConfig, start_step: int, *,
+               evaluate: Callable | None = None):
     """GRPO steps until --steps or a stop signal: each step's row appended with its state,
     checkpoints every --checkpoint-every steps and a final one (even under a second
-    Ctrl-C). Returns (state, rows, the stop flag, the rollouts' closing metrics)."""
+    Ctrl-C); every --eval-every steps, evaluate(state)'s metrics join the row as "eval/...".
+    Returns (state, rows, the stop flag, the rollouts' closing metrics)."""
     state, rows, placement = loaded.state, loaded.rows, loaded.placement
     stop = _Stop()
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -636,16 +591,31 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
     saved_version = loaded.start_version
     bar = tqdm(range(start_step, opts.steps), initial=start_step, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
+    sinks, watch = Sinks([]), SpreadWatch(warn=False)  # --report-to; the no-spread log line
     try:
+        sinks = make_sinks(opts.report_to, run.path, start_step=start_step,
+                           config=dataclasses.asdict(opts))
         for step in bar:
-            result = grpo_step(step, state, rollouts, source.reward,
-                               decode=loaded.tokenizer.decode, history=history, train=train,
-                               mesh=None if placement is None else placement.trainer)
+            try:
+                result = grpo_step(step, state, rollouts, source.reward,
+                                   decode=loaded.tokenizer.decode, history=history,
+                                   train=train, ref_params=loaded.ref_params,
+                                   mesh=None if placement is None else placement.trainer)
+            except Exception as e:  # the step may have donated `state`: keep its intact copy
+                state = _intact_state(e, state)
+                raise
             row = _step_row(opts, result, source, placement)
+            if evaluate is not None and opts.eval_every and (step + 1) % opts.eval_every == 0:
+                row.update({f"eval/{k}": v for k, v in evaluate(result.state).items()})
+                bar.write(f"step {step:4d} eval: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in row.items() if k.startswith("eval/")))
             with deferred_signals():  # the state and its metrics row move together
                 run.append_row(row)
                 rows.append(row)
                 state = result.state
+            sinks.write(step, row)  # each step as it completes (flushed)
+            if (note := watch.update(row)) is not None:
+                bar.write(note)
             bar.set_postfix(v=int(state.version), reward=f"{row['reward']:.2f}",
                             exact=f"{row['exact_match']:.2f}",
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
@@ -660,6 +630,7 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
                 break
     finally:
         bar.close()
+        sinks.close()  # never raises
         buffer_metrics = rollouts.close()
         try:
             with deferred_signals():  # the final save completes even under a second Ctrl-C
@@ -669,6 +640,16 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     return state, rows, stop, buffer_metrics
+
+
+def _intact_state(error: BaseException, state):
+    """The state to save after a failed step: the unchanged input a refused update carries
+    (NonFiniteUpdate / AttributionFailure `.state`, also when grpo_step re-raised it as the
+    audit's RuntimeError), else `state` (no update was attempted, nothing donated)."""
+    for e in (error, error.__context__):
+        if e is not None and getattr(e, "state", None) is not None:
+            return e.state
+    return state
 
 
 def _step_row(opts: DemoOptions, result, source: _PromptSource, placement) -> dict:
@@ -691,7 +672,9 @@ def _say_step(step: int, row: dict) -> None:
     sample, sync_bytes = row["sample"], row["sync_bytes"]
     moved = (f"copied {sync_bytes / 2**20:.1f} MiB" if sync_bytes else
              "lent the params (nothing copied)")
-    tqdm.write(f"step {step:4d}  {sample['prompt'][-24:]!r} -> {sample['completion']!r} "
+    prompt = sample["prompt"] if isinstance(sample["prompt"], str) else \
+        sample["prompt"][-1]["content"]  # chat messages: the last one
+    tqdm.write(f"step {step:4d}  {prompt[-24:]!r} -> {sample['completion']!r} "
                f"(answer {sample['answer']!r}); sync {moved} in {row['sync_seconds']:.2f} s")
 
 

@@ -7,7 +7,11 @@ with the answer:
   surrounding whitespace, else 0.0;
 - with `answer_regex`: the last match of the regex in the completion (its first group if it
   has one, else the whole match) is compared the same way; no match scores 0.0. GSM8K-style
-  tasks use e.g. `####\\s*(-?[\\d,.]+)`.
+  tasks use e.g. `####\\s*(-?[\\d,.]+)`;
+- `check="numeric"` (the demo's default for a task file) compares the final answer (the
+  regex's match, else the last `\\boxed{}` / `####`) with the answer as numbers (`72.`,
+  `1,000`, `3/4`, `\\frac{3}{4}`), `check="math-verify"` through math-verify (the `math`
+  extra): `rl.answers`.
 
 `JsonlTask` reads a file of `{"prompt": ..., "answer": ...}` lines and holds every 4th
 example out of training for evaluation; `CopyDigits` is the built-in task of
@@ -18,7 +22,6 @@ demo's own model uses.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import re
 import string
@@ -27,21 +30,19 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from jaxrl_cache.data import Example, RowError, hashable_prompt, prompts_from_rows, read_rows
 from jaxrl_cache.models import Tokenizer
+from jaxrl_cache.rl.answers import answer_score, check_answer_check
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
 
 
 @dataclasses.dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str
-
-
-@dataclasses.dataclass(frozen=True)
 class Reward:
-    """Exact match of the (regex-extracted) completion with the answer; see the module doc."""
+    """The (regex-extracted) completion's answer checked against the reference by `check`
+    (`rl.answers.answer_score`); see the module doc."""
     answer_regex: str | None = None
+    check: str = "exact"  # rl.answers.CHECKS: "exact", "numeric", "math-verify"
 
     def __post_init__(self):
         if self.answer_regex is not None:
@@ -50,18 +51,15 @@ class Reward:
             except re.error as e:
                 raise ValueError(f"--answer-regex {self.answer_regex!r} is not a valid "
                                  f"regular expression: {e}") from None
+        try:
+            check_answer_check(self.check)
+        except ValueError as e:
+            raise ValueError(f"--answer-check: {e}") from None
 
-    def extract(self, completion: str) -> str | None:
-        if self.answer_regex is None:
-            return completion.strip()
-        matches = list(re.finditer(self.answer_regex, completion))
-        if not matches:
-            return None
-        last = matches[-1]
-        return (last.group(1) if last.re.groups else last.group(0)).strip()
-
-    def __call__(self, completion: str, answer: str) -> float:
-        return float(self.extract(completion) == answer.strip())
+    def __call__(self, completion: str, answer: str) -> float | None:
+        """1.0 or 0.0; None when math-verify cannot read the answer (not applicable)."""
+        return answer_score(completion, answer, check=self.check,
+                            answer_regex=self.answer_regex)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +87,11 @@ class CopyDigits:
 
 
 class JsonlTask:
-    """Examples from a UTF-8 JSONL file: one `{"prompt": str, "answer": str}` object per
-    line (blank lines skipped); `lines[i]` is the line number of `examples[i]`.
+    """Examples from a UTF-8 JSONL file (one object per line, blank lines skipped) or a
+    JSON list of objects (`data.read_rows`), each with a prompt (text or chat messages) at
+    `prompt_key` and an answer (a string or a number; GSM8K's "... #### N" gives N) at
+    `answer_key` (`data.prompts_from_rows`, with `system_prompt`); `lines[i]` is the line
+    number of `examples[i]`.
 
     Held out for evaluation: every 4th example counted from the last (`examples[n-1],
     examples[n-5], ...`: ceil(n/4) of n; the 4th, 8th, ..., 60th of 60). `train` is the
@@ -99,37 +100,24 @@ class JsonlTask:
     `eval_examples` is a seeded permutation of `held_out`, repeated to `count`. Errors name
     the file and line."""
 
-    def __init__(self, path, reward: Reward = Reward()):
+    def __init__(self, path, reward: Reward = Reward(), *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", system_prompt: str | None = None):
         self.path = pathlib.Path(path)
         self.reward = reward
         self.name = self.path.name
-        if not self.path.is_file():
-            raise ValueError(f"--task {self.path}: no such file")
-        self.examples, self.lines = [], []
-        for number, raw in enumerate(self.path.read_bytes().splitlines(), 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{self.path}:{number}: not UTF-8 text (byte "
-                                 f"0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{self.path}:{number}: not valid JSON ({e.msg})") from None
-            if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
-                    and isinstance(row.get("answer"), str)):
-                raise ValueError(f'{self.path}:{number}: expected {{"prompt": str, '
-                                 f'"answer": str}}, got {line[:80]!r}')
-            self.examples.append(Example(row["prompt"], row["answer"]))
-            self.lines.append(number)
+        rows, self.lines = read_rows(self.path)
+        try:
+            self.examples = prompts_from_rows(rows, prompt_key=prompt_key,
+                                              answer_key=answer_key,
+                                              system_prompt=system_prompt)
+        except RowError as e:
+            raise ValueError(f"{self.path}:{self.lines[e.index]}: {e.detail}") from None
         if not self.examples:
             raise ValueError(f"--task {self.path}: no examples")
         n = len(self.examples)
         self.held_out = [e for i, e in enumerate(self.examples) if (n - 1 - i) % 4 == 0]
-        held = {e.prompt for e in self.held_out}
-        self.train = [e for e in self.examples if e.prompt not in held]
+        held = {hashable_prompt(e.prompt) for e in self.held_out}
+        self.train = [e for e in self.examples if hashable_prompt(e.prompt) not in held]
         if not self.train:
             raise ValueError(f"--task {self.path}: no examples left to train on once every "
                              f"4th is held out for evaluation (needs 2 distinct prompts)")

@@ -17,15 +17,15 @@ import jax.numpy as jnp
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.llama import hidden_states, lm_logits
-from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_probs_at,
-                                          warped_logits)
+from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_normaliser,
+                                          log_probs_at, warped_logits)
 
 LOGPROB_CHUNK = 512  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
 
 
 def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *, kind: str,
                     positions=None, segments=None, remat: str = "none",
-                    chunk: int = LOGPROB_CHUNK, scored=None):
+                    chunk: int = LOGPROB_CHUNK, scored=None, entropy: bool = False):
     """log p(targets[b, t] | tokens[b, :t+1]) under the warped distribution -> f32 [B, T].
 
     tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
@@ -34,6 +34,10 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
     A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
     scored int32 [B, K] (optional): the only columns whose log-prob is needed (T = padding);
     the LM head runs on those alone and every other position gets 0.
+    entropy (static): also return the entropy of the warped distribution at each position,
+    f32 [B, T] (no gradient; 0 where not scored): (log-probs, entropies). The log-probs are
+    the very same bits either way (`log_probs_at` is unchanged; the entropy is a separate
+    reduction over the same chunk's logits).
     """
     x = hidden_states(params, config, tokens, positions, segments, remat=remat)
     if scored is not None:
@@ -41,15 +45,16 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
         cols = jnp.minimum(scored, tokens.shape[1] - 1)
         x = jax.vmap(lambda xr, c: xr[c])(x, cols)
         picked = _chunked_log_probs(params, config, x, jax.vmap(lambda t, c: t[c])(targets, cols),
-                                    knobs, kind, chunk)
-        return jax.vmap(lambda c, p: jnp.zeros(tokens.shape[1], jnp.float32).at[c].set(
-            p, mode="drop"))(scored, picked)
-    return _chunked_log_probs(params, config, x, targets, knobs, kind, chunk)
+                                    knobs, kind, chunk, entropy)
+        spread = lambda p: jax.vmap(lambda c, v: jnp.zeros(  # noqa: E731
+            tokens.shape[1], jnp.float32).at[c].set(v, mode="drop"))(scored, p)
+        return tuple(map(spread, picked)) if entropy else spread(picked)
+    return _chunked_log_probs(params, config, x, targets, knobs, kind, chunk, entropy)
 
 
-def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk):
+def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk, entropy=False):
     """x [B, T, d] final hidden states, targets int32 [B, T] -> log-probs f32 [B, T]: the LM
-    head and warp per chunk of positions (rematerialised)."""
+    head and warp per chunk of positions (rematerialised); entropy: (log-probs, entropies)."""
     batch, length = targets.shape
     width = max(1, min(length, chunk // batch))  # columns per chunk
     steps = -(-length // width)
@@ -64,10 +69,21 @@ def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk):
         xc, tc = xt
         logits = warped_logits(lm_logits(params, config, xc), knobs["temperature"],
                                knobs["top_p"], knobs["top_k"], kind)  # [B, width, V]
-        return None, log_probs_at(logits, tc)
+        if not entropy:
+            return None, log_probs_at(logits, tc)
+        return None, (log_probs_at(logits, tc), _entropy(jax.lax.stop_gradient(logits)))
 
-    _, logp = jax.lax.scan(chunk_log_probs, None, (xs, ts))
-    return logp.swapaxes(0, 1).reshape(batch, steps * width)[:, :length]
+    _, out = jax.lax.scan(chunk_log_probs, None, (xs, ts))
+    unchunk = lambda a: a.swapaxes(0, 1).reshape(batch, steps * width)[:, :length]  # noqa
+    return tuple(map(unchunk, out)) if entropy else unchunk(out)
+
+
+def _entropy(warped):
+    """warped f32 [..., V] (-inf = excluded) -> entropy of softmax(warped) [...] in nats
+    (excluded tokens contribute 0). A metric: plain sums, no fixed order needed."""
+    logq = warped - log_normaliser(warped)[..., None]
+    q = jnp.exp(logq)
+    return -jnp.sum(jnp.where(q > 0, q * logq, 0.0), axis=-1)
 
 
 def knobs_of(sampling: SamplingParams, vocab: int) -> tuple[dict, str]:

@@ -28,10 +28,11 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.checks import as_real
 from jaxrl_cache.rl.audit import (audit_step_calls, audited_in_step, name_misattributed,
                                   tolerance_for)
 from jaxrl_cache.rl.batch import group_advantages, make_batch
+from jaxrl_cache.rl.health import step_health
+from jaxrl_cache.rl.rewards import Rewards
 from jaxrl_cache.rl.train import AttributionFailure, TrainState, train_step
 from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch, WeightAck
@@ -168,22 +169,17 @@ def _episode_counters(batches: list) -> dict:
                 env_seconds=sum(b.env_seconds for b in batches if isinstance(b, EpisodeBatch)))
 
 
-def _reward_value(value) -> float:
-    """A reward function's value as a float (bools and numpy scalars too; NaN and inf are
-    refused by make_batch); an int past the float range is as_real's one-line ValueError."""
-    try:
-        return float(value)
-    except OverflowError:
-        return as_real(value, "reward")
-
-
-def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable | None, *,
+def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
               decode: Callable, history: PolicyHistory, train: TrainConfig = TrainConfig(),
               advantages: Callable = group_advantages, audit_samples: int | None = None,
               ref_params=None, max_policy_lag: int | None = None, mesh=None) -> StepResult:
-    """One GRPO step (see the module doc). reward(meta, sample, text) -> float (for an
-    episode call: reward(meta, episode, its turns' text joined)); None: every call must be
-    an EpisodeBatch and each episode's return (Episode.reward) is its reward.
+    """One GRPO step (see the module doc). reward: what `rl.rewards.Rewards.of` takes (a
+    plain callable reward(meta, sample, text) -> float, for an episode call reward(meta,
+    episode, its turns' text joined); RewardFns, per sample or batched, weighted; a
+    Rewards); they score every sample before any audit or training (a failing one is a
+    one-line RewardError and nothing changes) and the record gains each one's mean and std
+    by name. None: every call must be an EpisodeBatch and each episode's return
+    (Episode.reward) is its reward.
     decode(token ids) -> str (used when a sample has no text of its own); history: params by
     version for the audit (the state's version is added when missing; the new version's
     params are added). audit_samples: audit the first k samples of each call (None: all);
@@ -197,6 +193,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     if train.donate and history.lag > 0:
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")
+    scorer = None if reward is None else Rewards.of(reward)  # checked before any rollout
     version = int(state.version)
     history.seed(version, state.params)
     t0 = time.perf_counter()
@@ -206,8 +203,8 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
         raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
                          "call has no reward of its own")
     texts = [item for meta, batch in parts for item in _items(meta, batch, decode)]
-    rewards = [float(s.reward) if reward is None else _reward_value(reward(meta, s, text))
-               for meta, s, text in texts]
+    scores = None if scorer is None else scorer.score(step, texts, decode)
+    rewards = [float(s.reward) for _, s, _ in texts] if scores is None else scores.totals
     t2 = time.perf_counter()
     batches = [b for _, b in parts]
     in_step, tolerance = audited_in_step(train), getattr(rollouts, "audit_tolerance", 0.0)
@@ -229,8 +226,11 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward: Callable
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.params)
     record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
+    record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
     record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
                   train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
+    if scores is not None:
+        record.update(scores.metrics)  # rewards/<name>/mean|std, reward_unscored
     if any(isinstance(b, EpisodeBatch) for b in batches):
         record.update(_episode_counters(batches), episodes_untrainable=untrainable)
     return StepResult(new_state, record, texts, ack)
@@ -254,7 +254,8 @@ def _trainable(step: int, parts: list) -> tuple[list, int]:
 
 def _record(step: int, version: int, ack: WeightAck, rewards: list, batches: list,
             metrics: dict, counts, tolerance: float, in_step: bool) -> dict:
-    """The step's metrics row (host numbers; the caller adds the phase seconds)."""
+    """The step's metrics row (host numbers; the caller adds the phase seconds and the
+    health fields); every field is documented in docs/api.md ("Step metrics and sinks")."""
     context = sum(b.prompt_tokens for b in batches)
     checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"]) if in_step else 0)
     return dict(
@@ -262,7 +263,8 @@ def _record(step: int, version: int, ack: WeightAck, rewards: list, batches: lis
         reward=float(np.mean(rewards)), samples=len(rewards),
         loss=float(metrics["loss"]), lr=float(metrics["lr"]),
         grad_norm=float(metrics["grad_norm"]), clip_fraction=float(metrics["clip_fraction"]),
-        kl=float(metrics["kl"]), staleness_max=int(metrics["staleness_max"]),
+        kl=float(metrics["kl"]), entropy=float(metrics["entropy"]),
+        staleness_max=int(metrics["staleness_max"]),
         updates=int(metrics["updates"]),
         generated_tokens=sum(b.generated_tokens for b in batches),
         prompt_tokens=context,

@@ -135,13 +135,16 @@ def _compute_params(params, cfg: TrainConfig):
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig):
+def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig,
+                     entropy: bool = False):
     """Log-probs [B, R] of each scored position's target, 0 elsewhere (clamped at -1e4: a
-    token outside a new top-k/top-p set gets ratio ~0, not NaN)."""
-    logp = token_log_probs(_compute_params(params, cfg), config, mb.tokens, mb.targets, knobs,
-                           kind=kind, positions=mb.positions, segments=mb.segments,
-                           remat=cfg.remat, chunk=cfg.logprob_chunk, scored=mb.scored)
-    return jnp.maximum(logp, -1e4)
+    token outside a new top-k/top-p set gets ratio ~0, not NaN); entropy: (log-probs,
+    entropies [B, R] of the warped distribution, no gradient)."""
+    out = token_log_probs(_compute_params(params, cfg), config, mb.tokens, mb.targets, knobs,
+                          kind=kind, positions=mb.positions, segments=mb.segments,
+                          remat=cfg.remat, chunk=cfg.logprob_chunk, scored=mb.scored,
+                          entropy=entropy)
+    return (jnp.maximum(out[0], -1e4), out[1]) if entropy else jnp.maximum(out, -1e4)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kind", "cfg"))
@@ -159,14 +162,21 @@ def _score(params, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig
 def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, version, nums,
                 cfg: TrainConfig):
     """(the micro-batch's loss, its metric sums): the policy loss (rl/loss.py) and the audit
-    of the tokens these very params sampled (rl/audit.py), on one forward's log-probs."""
-    logp = _micro_log_probs(params, config, mb, knobs, kind, cfg)
+    of the tokens these very params sampled (rl/audit.py), on one forward's log-probs, and
+    the entropy sum over the sampled tokens (a health metric).
+
+    Entropy is taken here, not in the sampler: this forward already has each chunk's warped
+    logits, so it costs one fused reduction and no host traffic, and it leaves the decode
+    program (whose recorded log-prob bits the audit compares) untouched. It is the entropy of
+    the trainer's distribution at each sampled token; in the first update of a synchronous
+    step those are the very params that sampled them."""
+    logp, entropy = _micro_log_probs(params, config, mb, knobs, kind, cfg, entropy=True)
     loss, sums = policy_loss(logp, mb.behavior, mb.weights, mb.advantages, mb.versions,
                              version, proximal=proximal, ref=ref, nums=nums,
                              correction=cfg.correction)
     audit = step_audit_sums(jax.lax.stop_gradient(logp), mb.behavior, mb.audited > 0,
                             mb.versions, version)
-    return loss, {**sums, **audit}
+    return loss, {**sums, **audit, "entropy": jnp.where(mb.weights > 0, entropy, 0.0).sum()}
 
 
 _MAXED = MAXED + AUDIT_MAXED
@@ -224,6 +234,7 @@ def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs,
                    is_weight_mean=sums["is_weight"] / tokens,
                    is_weight_max=sums["is_weight_max"],
                    is_truncated_fraction=sums["truncated"] / tokens, kl=sums["kl"] / tokens,
+                   entropy=sums["entropy"] / tokens,
                    staleness_mean=sums["staleness"] / tokens,
                    staleness_max=sums["staleness_max"], newest_token_version=sums["newest"],
                    audit_diff_max=sums["audit_diff_max"], audit_diff_sum=sums["audit_diff_sum"],
@@ -311,7 +322,8 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
 
     Metrics (device arrays, read by the caller when it wants them): loss, grad_norm,
     ratio/clip/importance-weight statistics, staleness (trainer version - token version)
-    mean/max, kl, averaged over the updates (maxima for *_max), lr of the last update,
+    mean/max, kl, entropy (mean over sampled tokens of the warped distribution's entropy,
+    nats), averaged over the updates (maxima for *_max), lr of the last update,
     version, and "per_update" arrays [updates]. ref_params: the reference policy of
     kl_beta. mesh: a Mesh with data/fsdp axes: rows split over them, the state placed like
     `state` (see parallel.train_state_shardings).
