@@ -221,6 +221,10 @@ def test_kl_k3_against_the_dense_reference():
                                rtol=1e-4)
     with pytest.raises(ValueError, match="kl_beta > 0 needs ref_params"):
         train_step(_state(), batch, kl_beta=0.5)
+    for knobs in (dict(top_k=5), dict(top_p=0.9)):  # the reference's -inf: refused up front
+        truncated = dataclasses.replace(batch, sampling=dataclasses.replace(sp, **knobs))
+        with pytest.raises(ValueError, match="kl_beta > 0 with top-k / top-p sampling"):
+            train_step(_state(), truncated, kl_beta=0.5, ref_params=ref)
 
 
 def test_several_updates_per_batch_advance_the_version():

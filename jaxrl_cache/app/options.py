@@ -76,7 +76,7 @@ class DemoOptions:
     kl_beta: float = 0.0  # > 0: k3 KL to the policy GRPO started from
     remat: str = "full"
     compute_dtype: str = "float32"
-    logprob_chunk: int = 512
+    logprob_chunk: int = 128
     correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip
     #   against behavior; "decoupled": proximal = the params before the step's first update)
     mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device

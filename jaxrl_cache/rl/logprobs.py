@@ -20,7 +20,9 @@ from jaxrl_cache.models.llama import hidden_states, lm_logits
 from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_normaliser,
                                           log_probs_at, warped_logits)
 
-LOGPROB_CHUNK = 512  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
+LOGPROB_CHUNK = 128  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
+# (128: as fast as 512 on SmolLM2 at 16 x 80 and 64 x 256 tokens, 0.46 GiB less peak RSS at
+# 16 x 80; benchmarks/results/logprob-chunk-cpu-2026-12-04.md)
 
 
 def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *, kind: str,

@@ -36,7 +36,7 @@ class TrainConfig:
     token_budget: int = 4096  # tokens per micro-batch (packed rows x row length)
     remat: str = "full"  # layer-scan rematerialisation: "full", "dots" or "none"
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
-    logprob_chunk: int = 512  # positions per LM-head chunk
+    logprob_chunk: int = 128  # positions per LM-head chunk (rl/logprobs.LOGPROB_CHUNK)
     donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
 
     def __post_init__(self):
