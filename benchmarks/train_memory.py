@@ -115,7 +115,7 @@ def _update_memory_plan(state, batch, cfg) -> dict:
 
 
 def run_point(model: str, n: int, length: int, steps: int, donate: bool,
-              analysis: bool) -> dict:
+              analysis: bool, knobs: dict | None = None) -> dict:
     """One point in this process (meant to be a fresh one): floor, peak RSS, step seconds."""
     import jax
 
@@ -134,7 +134,7 @@ def run_point(model: str, n: int, length: int, steps: int, donate: bool,
     rollouts = fake_rollouts(n, length, config.vocab_size)
     rewards = np.random.default_rng(1).uniform(0, 1, n)
     batch = make_batch(rollouts, rewards)
-    cfg = TrainConfig(donate=donate)
+    cfg = TrainConfig(donate=donate, **(knobs or {}))
     packed = pack_batch(batch, cfg)
     shape = [int(d) for d in packed.tokens.shape]
     computed = packed.computed_tokens
@@ -152,7 +152,7 @@ def run_point(model: str, n: int, length: int, steps: int, donate: bool,
                                          - plan["alias_size_in_bytes"]
                                          + plan["temp_size_in_bytes"])
     return dict(model=model, n=n, length=length, tokens=n * length, donate=donate,
-                steps=steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                knobs=knobs or {}, steps=steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
                 packed_shape_UMBR=shape, computed_tokens=computed,
                 real_tokens=batch.real_tokens,
                 computed_over_real=round(computed / batch.real_tokens, 4),
@@ -244,10 +244,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _knobs(args) -> dict:
+    """TrainConfig fields set on the command line (--logprob-chunk, --compute-dtype, --remat)."""
+    return {k: getattr(args, k) for k in ("logprob_chunk", "compute_dtype", "remat")
+            if getattr(args, k) is not None}
+
+
 def _child_main(args) -> None:
     model, nl = args.child.split(":")
     n, length = (int(x) for x in nl.split("x"))
-    row = run_point(model, n, length, args.steps, args.donate, args.analysis)
+    row = run_point(model, n, length, args.steps, args.donate, args.analysis, _knobs(args))
     print("RESULT " + json.dumps(row), flush=True)
 
 
@@ -256,7 +262,8 @@ def _run_child(point: str, args, timeout: float) -> dict:
     n, length = (int(x) for x in nl.split("x"))
     cmd = [sys.executable, "-m", "benchmarks.train_memory", "--child", point,
            "--steps", str(args.steps)] + ["--donate"] * args.donate + \
-        ["--analysis"] * args.analysis
+        ["--analysis"] * args.analysis + [f"--{k.replace('_', '-')}={v}"
+                                          for k, v in _knobs(args).items()]
     t0 = time.time()
     load_before = _load()
     try:
@@ -280,6 +287,9 @@ def main(argv=None) -> None:
                    help="comma-separated model:NxL (models: " + ", ".join(MODELS) + ")")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--donate", action="store_true", help="TrainConfig(donate=True)")
+    p.add_argument("--logprob-chunk", type=int, help="TrainConfig.logprob_chunk")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--remat", choices=["full", "dots", "none"])
     p.add_argument("--analysis", action="store_true",
                    help="also compile the update for XLA's memory plan (more compile time)")
     p.add_argument("--single-thread", action="store_true",
