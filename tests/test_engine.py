@@ -236,6 +236,26 @@ def test_new_versions_and_params_never_recompile():
             rollout_core.decode_chunk._cache_size()) == sizes
 
 
+def test_a_smaller_prefill_reuses_a_compiled_shape():
+    """A round that prefills fewer tokens / sequences than one before (radix hits, another
+    admission split) runs in the compiled larger shape (up to 4x its tokens): nothing
+    compiles, and its samples carry the same bits as on an engine that never saw the larger
+    prefill."""
+    sp = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    big = [list(range(1 + i, 14 + i)) for i in range(4)]  # 4 sequences, 52 new tokens
+    small = [[9, 4, 7, 2, 5, 11, 3, 8, 6, 10, 12, 13, 1]]  # 1 sequence of 13: another
+    #   (tokens, seqs) bucket at the same page-table width
+    engine, params = make_engine(), varied_params(0)
+    engine.rollout(params, 0, big, sp, rng=jax.random.key(0))
+    size = rollout_core.prefill_step._cache_size()
+    got = engine.rollout(params, 0, small, sp, rng=jax.random.key(1))
+    assert rollout_core.prefill_step._cache_size() == size
+    fresh = make_engine().rollout(params, 0, small, sp, rng=jax.random.key(1))
+    for a, b in zip(got.samples, fresh.samples):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+
+
 class TestScheduler:
     SP = SamplingParams(n=3, max_new_tokens=6, temperature=1.0, stop_token_ids=(5,))
 

@@ -150,6 +150,9 @@ def _resize_rows(x, rows: int):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
+PREFILL_PAD = 4  # a prefill may reuse a compiled shape of up to this many times its tokens
+
+
 class Runner:
     """KV pool and device dispatch of one engine (one rollout step at a time: the engine's
     lock). mesh: the pool is sharded tensor-parallel over it, else it lives on `device`."""
@@ -160,6 +163,7 @@ class Runner:
         self.scheduler_config, self.backend = scheduler_config, backend
         self.device, self.mesh = device, mesh
         self.shared_widths: dict[tuple[int, int], set[int]] = {}  # (rows, width) -> shared
+        self.prefill_shapes: dict[int, set[tuple[int, int]]] = {}  # width -> (tokens, seqs)
         self._check_pool_fits()
         self.kv = self.fresh_pool()
 
@@ -208,8 +212,9 @@ class Runner:
         run.fresh_logits, are kept)."""
         cfg = self.scheduler_config
         total = sum(u.new_tokens for u, _ in units)
-        arrays = pack_prefill(units, max(16, next_power_of_2(total)),
-                              next_power_of_2(len(units)), run.width, cfg.max_num_seqs, run.ps)
+        tokens, seqs = self._prefill_shape(max(16, next_power_of_2(total)),
+                                           next_power_of_2(len(units)), run.width)
+        arrays = pack_prefill(units, tokens, seqs, run.width, cfg.max_num_seqs, run.ps)
         logits, self.kv = core.prefill_step(
             params, self._pool(), *dataclasses.astuple(arrays),
             config=self.model_config, backend=self.backend, mesh=self.mesh)
@@ -218,6 +223,17 @@ class Runner:
             earlier[list(keep)] = True
             logits = jnp.where(earlier, run.fresh_logits, logits)
         return logits, total
+
+    def _prefill_shape(self, tokens: int, seqs: int, width: int) -> tuple[int, int]:
+        """(tokens, seqs) of the packed prefill: the smallest shape prefilled before at this
+        width that holds this one with at most PREFILL_PAD x its tokens, else this one. A
+        round whose radix hits or admission split give a smaller prefill than an earlier
+        round then compiles nothing (padding tokens are position -1: no output changes)."""
+        seen = self.prefill_shapes.setdefault(width, set())
+        fits = [(t, s) for t, s in seen if tokens <= t <= PREFILL_PAD * tokens and seqs <= s]
+        shape = min(fits) if fits else (tokens, seqs)
+        seen.add(shape)
+        return shape
 
     def _shared_width(self, rows: int, width: int, most: int) -> int:
         """The shared page count to send, at most `most` (any smaller count is correct:
