@@ -41,13 +41,13 @@ import pathlib
 import queue
 import re
 import sys
-import threading
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxrl_cache.checks import as_bool, as_count, as_real
+from jaxrl_cache.daemon_threads import DaemonThreads
 from jaxrl_cache.errors import RewardError
 
 POLL_S = 0.1  # the calling thread checks timeouts (and Ctrl-C) at least this often
@@ -260,26 +260,19 @@ class _Timeout(Exception):
 
 
 class _Pool:
-    """Daemon threads running `thunks` ({job: thunk}) `workers` at a time. The calling
+    """`thunks` ({job: thunk}) run on `DaemonThreads`, `workers` at a time. The calling
     thread reads their outcomes in the order they finish (`outcomes`) and enforces each
     job's timeout from its start; `stop` lets queued jobs go unrun."""
 
     def __init__(self, thunks: dict, workers: int):
-        self.thunks, self.stopped = thunks, False
-        self.todo, self.answers = queue.SimpleQueue(), queue.SimpleQueue()
+        self.thunks, self.answers = thunks, queue.SimpleQueue()
+        self.threads = DaemonThreads(min(workers, len(thunks)), name="reward")
         for j in thunks:
-            self.todo.put(j)
-        for k in range(min(workers, len(thunks))):
-            threading.Thread(target=self._work, name=f"reward-{k}", daemon=True).start()
+            self.threads.submit(self._run, j, done=self.answers.put)
 
-    def _work(self) -> None:
-        while not self.stopped:
-            try:
-                j = self.todo.get_nowait()
-            except queue.Empty:
-                return
-            self.answers.put((j, "start", time.perf_counter()))
-            self.answers.put((j, "done", _outcome(self.thunks[j])))
+    def _run(self, j) -> tuple:
+        self.answers.put((j, "start", time.perf_counter()))
+        return j, "done", _outcome(self.thunks[j])
 
     def outcomes(self, timeouts: dict):
         """Yields (job, outcome) as jobs finish; (job, (False, _Timeout())) for a job past
@@ -305,7 +298,7 @@ class _Pool:
                 yield j, value
 
     def stop(self) -> None:
-        self.stopped = True
+        self.threads.close()
 
 
 def load_reward(spec: str) -> RewardFn:

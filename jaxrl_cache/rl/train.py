@@ -396,8 +396,7 @@ def _checked_arguments(state, batch, config, options: dict, ref_params, audit_to
     cfg = dataclasses.replace(config or TrainConfig(), **options)
     if cfg.kl_beta > 0 and ref_params is None:
         raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
-    sampling = batch.sampling
-    if cfg.kl_beta > 0 and sampling.temperature > 0 and (sampling.top_k or sampling.top_p < 1):
+    if cfg.kl_beta > 0 and knobs_of(batch.sampling, state.config.vocab_size)[1] != "none":
         raise ValueError("kl_beta > 0 with top-k / top-p sampling: the reference scores a "
                          "token outside its own top-k / top-p set at -inf, so the k3 KL is "
                          "infinite; sample without top_k / top_p or set kl_beta=0")

@@ -20,7 +20,7 @@ runs with slow environments.
 `env_timeout` bounds each environment call (factory + reset, or one step): past it the
 episode ends with "error" (a TimeoutError message) and its late answer, if any, is
 dropped. Python cannot stop a thread, so the stuck call keeps its worker thread until it
-returns; worker threads are daemons (`EnvThreads`), so a call that never returns never
+returns; worker threads are daemons (`DaemonThreads`), so a call that never returns never
 holds the process at exit: a hung environment costs one parked thread, nothing more.
 
 A fault in environment code ends only its episode ("error", with the exception's type and
@@ -36,13 +36,13 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import queue
-import threading
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxrl_cache.checks import as_count, as_real
+from jaxrl_cache.daemon_threads import DaemonThreads
 from jaxrl_cache.errors import CacheFullError
 from jaxrl_cache.rollout import scheduler, text
 from jaxrl_cache.rollout.env import EnvStep
@@ -77,43 +77,6 @@ class _State:
     error: str | None = None
 
 
-class EnvThreads:
-    """A fixed number of daemon worker threads running environment calls.
-
-    Unlike concurrent.futures' pool, whose threads the interpreter joins at exit, a call
-    stuck forever here never keeps the process alive. `submit(fn, *args, done=cb)` runs
-    cb((value, seconds) or _Fault) on the worker when fn returns or raises (anything,
-    BaseException included); `close()` drops queued calls and lets idle threads end.
-    """
-
-    def __init__(self, workers: int):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed, self._workers = False, workers
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"env-{i}", daemon=True).start()
-
-    def submit(self, fn, *args, done: Callable) -> None:
-        self._jobs.put((fn, args, done))
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None or self._closed:
-                return
-            fn, args, done = job
-            done(_timed(fn, *args))
-
-    def close(self) -> None:
-        self._closed = True
-        while True:  # queued calls are dropped
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
-        for _ in range(self._workers):  # one stop mark per thread: idle ones end now
-            self._jobs.put(None)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Fault:
     """An environment call that raised: what ends its episode."""
@@ -146,7 +109,7 @@ class Driver:
         self.history_tokens = self.history_cached = self.recomputed = 0
         self.env_steps, self.env_seconds = 0, 0.0
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool = EnvThreads(workers)
+        self._pool = DaemonThreads(workers, name="env")
         self.pending = 0
         self._tickets = [0] * len(self.states)
         for e in range(len(self.states)):
@@ -159,7 +122,8 @@ class Driver:
         ticket = self._tickets[e]
         if self.timeout is not None:
             self._deadlines[e] = time.perf_counter() + self.timeout
-        self._pool.submit(fn, *args, done=lambda answer: self._answers.put((e, ticket, answer)))
+        self._pool.submit(_timed, fn, *args,
+                          done=lambda answer: self._answers.put((e, ticket, answer)))
 
     def _expire(self) -> None:
         """Ends the episodes whose environment call passed its deadline; their answers, if
