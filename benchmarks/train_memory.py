@@ -104,7 +104,7 @@ def _update_memory_plan(state, batch, cfg) -> dict:
     nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
                 kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)
     core = train._train_jit_donating if cfg.donate else train._train_jit
-    compiled = core.lower(state.params, state.opt_state, state.version, packed, None, None,
+    compiled = core.lower(state.params, state.opt_state, state.frozen, state.version, packed, None, None,
                           knobs, jnp.zeros(cfg.updates, jnp.float32), nums, jnp.float32(jnp.inf),
                           tx=state.tx,
                           config=state.config, kind=kind, cfg=train._structure(cfg)).compile()

@@ -317,7 +317,7 @@ def _compiled_text(sp):
     kind = filter_kind(sp.temperature, sp.top_p, sp.top_k, CONFIG.vocab_size)
     nums = dict(clip_eps=jnp.float32(0.2), is_cap=jnp.float32(2), kl_beta=jnp.float32(0),
                 dual_clip=None)
-    return train._train_jit.lower(state.params, state.opt_state, state.version, packed, None,
+    return train._train_jit.lower(state.params, state.opt_state, state.frozen, state.version, packed, None,
                                   None, knobs, jnp.ones(1, jnp.float32), nums, jnp.float32(jnp.inf),
                                   tx=state.tx,
                                   config=CONFIG, kind=kind, cfg=cfg).as_text()

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.dense import dense
+from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import split_batch
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
 from kernels_pallas.blocked import blocked_attention, tree_sum
@@ -107,10 +108,10 @@ def rotary(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _qkv(layer, config, h, positions):
+def _qkv(layer, config, h, positions, scale):
     """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied.
-    `layer` holds one block's weights (no layer axis)."""
-    q, k, v = dense(h, layer["wq"]), dense(h, layer["wk"]), dense(h, layer["wv"])
+    `layer` holds one block's weights (no layer axis); scale: the LoRA scale (or None)."""
+    q, k, v = (linear(layer, name, h, scale) for name in ("wq", "wk", "wv"))
     if config.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     lead = h.shape[:-1]
@@ -124,9 +125,9 @@ def _qkv(layer, config, h, positions):
     return rotary(q, positions, inv_freq), rotary(k, positions, inv_freq), v
 
 
-def _mlp(layer, h):
-    return dense(jax.nn.silu(dense(h, layer["w_gate"])) * dense(h, layer["w_up"]),
-                 layer["w_down"])
+def _mlp(layer, h, scale):
+    gate, up = linear(layer, "w_gate", h, scale), linear(layer, "w_up", h, scale)
+    return linear(layer, "w_down", jax.nn.silu(gate) * up, scale)
 
 
 def lm_logits(params, config, x):
@@ -148,16 +149,19 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
     attend(layer int32 [], q, k, v, kv_cache) -> (out [..., T, Hq, D], kv_cache').
     remat: "none", or a REMAT_POLICIES key (each block rematerialised in the backward pass).
+    LoRA adapters in params (`models.lora`) are applied in every projection they target.
     """
+    scale = params.get(LORA_SCALE)
+
     def block(carry, layer):
         x, kv_cache, index = carry
         x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        q, k, v = _qkv(layer, config, h, positions)
+        q, k, v = _qkv(layer, config, h, positions, scale)
         attn, kv_cache = attend(index, q, k, v, kv_cache)
-        attn = dense(attn.reshape(*attn.shape[:-2], -1), layer["wo"])
+        attn = linear(layer, "wo", attn.reshape(*attn.shape[:-2], -1), scale)
         x = x + (attn + layer["bo"] if config.out_bias else attn)
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps), scale)
         return (x, kv_cache, index + 1), None
 
     if remat != "none":

@@ -39,6 +39,8 @@ from optax import tree_utils as otu
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig
+from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters, check_adapters,
+                                     frozen_part as lora_frozen_part, init_adapters)
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.audit import AUDIT_MAXED, step_audit_sums
 from jaxrl_cache.rl.batch import TrainBatch, pack_batch
@@ -87,27 +89,58 @@ def optimizer_counts(opt_state) -> list[int]:
 
 @flax.struct.dataclass
 class TrainState:
+    """params: what the optimizer trains (the whole model, or with `lora` only the
+    adapters, `models.lora`); frozen: with `lora`, the base weights plus the LoRA scale,
+    never updated, copied or donated (the engine may hold the very same arrays).
+    `model_params` is what the model runs."""
     params: dict
     opt_state: optax.OptState
     version: jax.Array  # int32 [] = optimizer updates applied
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
     lr_schedule: Callable = flax.struct.field(pytree_node=False)
     config: ModelConfig = flax.struct.field(pytree_node=False)
+    frozen: dict | None = None
+    lora: LoraConfig | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, params, tx: optax.GradientTransformation | None = None, *,
                config: ModelConfig, lr_schedule: Callable | float = 1e-3,
-               version=0) -> "TrainState":
-        """A fresh optimizer state at `version` (its counts set to that version)."""
+               version=0, lora: LoraConfig | None = None, adapters: dict | None = None,
+               rng: jax.Array | None = None) -> "TrainState":
+        """A fresh optimizer state at `version` (its counts set to that version).
+
+        lora: train adapters over `params` as the frozen base: `adapters` (e.g. restored),
+        or fresh ones from `rng` (default key 0; B = 0, so version 0 is the base exactly).
+        """
         version = as_version(version)
         tx = tx or make_optimizer()
         schedule = lr_schedule if callable(lr_schedule) else optax.constant_schedule(
             as_real(lr_schedule, "lr_schedule", minimum=0.0))
+        frozen = None
+        if lora is not None:
+            if not isinstance(lora, LoraConfig):
+                raise TypeError(f"lora must be a LoraConfig, got {type(lora).__name__}")
+            frozen = lora_frozen_part(params, lora)
+            if adapters is None:
+                adapters = init_adapters(config, lora, jax.random.key(0) if rng is None else rng)
+            check_adapters(config, adapters)
+            params = adapters
+        elif adapters is not None:
+            raise ValueError("adapters given without lora (a LoraConfig)")
         opt_state = tx.init(params)
         if otu.tree_get_all_with_path(opt_state, "count"):
             opt_state = otu.tree_set(opt_state, count=jnp.asarray(version, jnp.int32))
         return cls(params=params, opt_state=opt_state, version=jnp.asarray(version, jnp.int32),
-                   tx=tx, lr_schedule=schedule, config=config)
+                   tx=tx, lr_schedule=schedule, config=config, frozen=frozen, lora=lora)
+
+    @property
+    def model_params(self) -> dict:
+        """The params the model runs: base + adapters (no copy) under LoRA, else params."""
+        return _model(self.params, self.frozen)
+
+
+def _model(params, frozen):
+    return params if frozen is None else attach_adapters(frozen, params)
 
 
 class NonFiniteUpdate(ValueError):
@@ -135,12 +168,12 @@ def _compute_params(params, cfg: TrainConfig):
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig,
+def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig,
                      entropy: bool = False):
     """Log-probs [B, R] of each scored position's target, 0 elsewhere (clamped at -1e4: a
     token outside a new top-k/top-p set gets ratio ~0, not NaN); entropy: (log-probs,
     entropies [B, R] of the warped distribution, no gradient)."""
-    out = token_log_probs(_compute_params(params, cfg), config, mb.tokens, mb.targets, knobs,
+    out = token_log_probs(_compute_params(_model(params, frozen), cfg), config, mb.tokens, mb.targets, knobs,
                           kind=kind, positions=mb.positions, segments=mb.segments,
                           remat=cfg.remat, chunk=cfg.logprob_chunk, scored=mb.scored,
                           entropy=entropy)
@@ -148,19 +181,19 @@ def _micro_log_probs(params, config, mb: PackedBatch, knobs, kind, cfg: TrainCon
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kind", "cfg"))
-def _score(params, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig):
+def _score(params, frozen, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig):
     """Log-probs [U, M, B, R] of every target under `params`, no gradient (the proximal
     policy, the reference policy)."""
     def one(_, mb):
-        return None, jax.lax.stop_gradient(_micro_log_probs(params, config, mb, knobs, kind,
-                                                            cfg))
+        return None, jax.lax.stop_gradient(_micro_log_probs(params, frozen, config, mb, knobs,
+                                                            kind, cfg))
     flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), packed)
     _, logp = jax.lax.scan(one, None, flat)
     return logp.reshape(packed.tokens.shape)
 
 
-def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, version, nums,
-                cfg: TrainConfig):
+def _micro_loss(params, frozen, config, mb: PackedBatch, proximal, ref, knobs, kind, version,
+                nums, cfg: TrainConfig):
     """(the micro-batch's loss, its metric sums): the policy loss (rl/loss.py) and the audit
     of the tokens these very params sampled (rl/audit.py), on one forward's log-probs, and
     the entropy sum over the sampled tokens (a health metric).
@@ -170,7 +203,7 @@ def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, ver
     program (whose recorded log-prob bits the audit compares) untouched. It is the entropy of
     the trainer's distribution at each sampled token; in the first update of a synchronous
     step those are the very params that sampled them."""
-    logp, entropy = _micro_log_probs(params, config, mb, knobs, kind, cfg, entropy=True)
+    logp, entropy = _micro_log_probs(params, frozen, config, mb, knobs, kind, cfg, entropy=True)
     loss, sums = policy_loss(logp, mb.behavior, mb.weights, mb.advantages, mb.versions,
                              version, proximal=proximal, ref=ref, nums=nums,
                              correction=cfg.correction)
@@ -182,43 +215,45 @@ def _micro_loss(params, config, mb: PackedBatch, proximal, ref, knobs, kind, ver
 _MAXED = MAXED + AUDIT_MAXED
 
 
-def _gradients(params, config, part: PackedBatch, proximal, ref, knobs, kind, version, nums,
-               cfg: TrainConfig):
+def _gradients(params, frozen, config, part: PackedBatch, proximal, ref, knobs, kind, version,
+               nums, cfg: TrainConfig):
     """(gradients, loss, metric sums) of a part's micro-batches [M, ...], accumulated in a
     scan; a part of one micro-batch takes its gradient directly (no zeroed accumulator)."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     take = lambda t: None if t is None else jax.tree.map(lambda x: x[0], t)  # noqa: E731
     if part.tokens.shape[0] == 1:
-        (loss, sums), grads = grad_fn(params, config, take(part), take(proximal), take(ref),
-                                      knobs, kind, version, nums, cfg)
+        (loss, sums), grads = grad_fn(params, frozen, config, take(part), take(proximal),
+                                      take(ref), knobs, kind, version, nums, cfg)
         return grads, loss, sums
 
     def micro(carry, xs):
         grads, loss, sums = carry
         mb, prox, rf = xs
-        (l, s), g = grad_fn(params, config, mb, prox, rf, knobs, kind, version, nums, cfg)
+        (l, s), g = grad_fn(params, frozen, config, mb, prox, rf, knobs, kind, version, nums,
+                            cfg)
         sums = {k: jnp.maximum(sums[k], v) if k in _MAXED else sums[k] + v
                 for k, v in s.items()}
         return (jax.tree.map(jnp.add, grads, g), loss + l, sums), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    first = jax.eval_shape(lambda: _micro_loss(params, config, take(part), take(proximal),
-                                               take(ref), knobs, kind, version, nums, cfg)[1])
+    first = jax.eval_shape(lambda: _micro_loss(params, frozen, config, take(part),
+                                               take(proximal), take(ref), knobs, kind, version,
+                                               nums, cfg)[1])
     sums0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in first.items()}
     (grads, loss, sums), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), sums0),
                                           (part, proximal, ref))
     return grads, loss, sums
 
 
-def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs, lr, nums,
-            tolerance, *, tx, config, kind, cfg: TrainConfig):
+def _update(params, opt_state, frozen, version, part: PackedBatch, proximal, ref, knobs, lr,
+            nums, tolerance, *, tx, config, kind, cfg: TrainConfig):
     """One optimizer update on a part's micro-batches [M, ...]. It is applied only when its
     loss and gradient norm are finite and no audited token is more than `tolerance` off its
     record; otherwise params and optimizer state pass through unchanged. The choice is a
     `lax.cond`, so the update runs in place in donated buffers (a select between old and new
     state would keep both live)."""
-    grads, loss, sums = _gradients(params, config, part, proximal, ref, knobs, kind, version,
-                                   nums, cfg)
+    grads, loss, sums = _gradients(params, frozen, config, part, proximal, ref, knobs, kind,
+                                   version, nums, cfg)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (sums["audit_diff_max"] <= tolerance)
 
@@ -242,9 +277,9 @@ def _update(params, opt_state, version, part: PackedBatch, proximal, ref, knobs,
     return params, opt_state, metrics
 
 
-def _train_core(params, opt_state, version, packed: PackedBatch, proximal, ref, knobs, lrs,
-                nums, tolerance, *, tx, config, kind, cfg: TrainConfig):
-    """cfg.updates updates; lrs f32 [updates]; tolerance f32 [] (inf: no audit gate).
+def _train_core(params, opt_state, frozen, version, packed: PackedBatch, proximal, ref, knobs,
+                lrs, nums, tolerance, *, tx, config, kind, cfg: TrainConfig):
+    """cfg.updates updates of params (frozen: the LoRA base and scale, or None); lrs f32 [updates]; tolerance f32 [] (inf: no audit gate).
     Returns (params', opt_state', version', metrics of each update [updates], finite,
     attributed). The first update scores the tokens of `version` with the very params that
     sampled them: attributed is False if one of them is off its recorded log-prob by more
@@ -256,8 +291,8 @@ def _train_core(params, opt_state, version, packed: PackedBatch, proximal, ref, 
         p, s, v = carry
         u = i % cfg.mini_batches
         take = lambda t: None if t is None else jax.tree.map(lambda x: x[u], t)  # noqa
-        p, s, m = _update(p, s, v, take(packed), take(proximal), take(ref), knobs, lrs[i],
-                          nums, tolerance, tx=tx, config=config, kind=kind, cfg=cfg)
+        p, s, m = _update(p, s, frozen, v, take(packed), take(proximal), take(ref), knobs,
+                          lrs[i], nums, tolerance, tx=tx, config=config, kind=kind, cfg=cfg)
         return (p, s, v + 1), m
 
     if cfg.updates == 1:
@@ -352,17 +387,17 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
         proximal = ref = None
         if cfg.correction == "decoupled" and cfg.updates > 1:
-            proximal = _score(state.params, packed, knobs, **statics)
+            proximal = _score(state.params, state.frozen, packed, knobs, **statics)
         if cfg.kl_beta > 0:
-            ref = _score(ref_params, packed, knobs, **statics)
+            ref = _score(ref_params, None, packed, knobs, **statics)
         nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
                     kl_beta=jnp.float32(cfg.kl_beta),
                     dual_clip=None if cfg.dual_clip is None else jnp.float32(cfg.dual_clip))
         core = _train_jit_donating if cfg.donate else _train_jit
         tolerance = jnp.float32(np.inf if audit_tolerance is None else audit_tolerance)
         params, opt_state, new_version, metrics, finite, attributed = core(
-            state.params, state.opt_state, state.version, packed, proximal, ref, knobs,
-            jnp.asarray(lrs, jnp.float32), nums, tolerance, tx=state.tx, **statics)
+            state.params, state.opt_state, state.frozen, state.version, packed, proximal, ref,
+            knobs, jnp.asarray(lrs, jnp.float32), nums, tolerance, tx=state.tx, **statics)
     new_state = state.replace(params=params, opt_state=opt_state, version=new_version)
     if layout is not None:
         new_state = jax.device_put(new_state, layout)

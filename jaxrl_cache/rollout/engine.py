@@ -40,7 +40,7 @@ from jaxrl_cache.cache import CacheStats, RadixCache
 from jaxrl_cache.checks import as_bool, as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
-from jaxrl_cache.models import ModelConfig, init_params
+from jaxrl_cache.models import ModelConfig, init_params, lora
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -64,6 +64,15 @@ class _Weights(NamedTuple):
     #                            another placement), by path
     fingerprint: np.ndarray | None = None  # of the params synced under `version`: kept when
     #   they are released, so other params are never accepted under it (`_same_version`)
+    lora_base: "_LoraBase | None" = None  # LoRA: the one base every adapter state runs on
+
+
+class _LoraBase(NamedTuple):
+    """The frozen base of LoRA syncs: held once (lent, never copied per version); adapters
+    over another base (fingerprint) are refused."""
+    source: tuple  # the caller's base leaves (identity: no fingerprint pass when the same)
+    params: object  # resident base tree (None once released)
+    fingerprint: np.ndarray
 
 
 class _Call(NamedTuple):
@@ -251,7 +260,10 @@ class RolloutEngine:
             if drop_kv:
                 self.cache.clear()  # raises, changing nothing, if a live request holds pages
                 self._runner.release_pool()
-            self._weights = self._weights._replace(params=None, source=())
+            base = self._weights.lora_base
+            self._weights = self._weights._replace(
+                params=None, source=(),
+                lora_base=base and base._replace(params=None, source=()))
         self._serialized(release)
 
     def _sync(self, params, version: int, borrow: bool = False,
@@ -292,7 +304,7 @@ class RolloutEngine:
         that version cached, no call in flight); otherwise VersionError. A version's weights
         are fixed once synced, lent or copied, released or not: KV cached under it was
         computed by them."""
-        if np.array_equal(np.asarray(_checked(params)[1]), pinned.fingerprint):
+        if np.array_equal(self._fingerprint(params), pinned.fingerprint):
             return True
         if not replace:
             raise VersionError(
@@ -331,14 +343,12 @@ class RolloutEngine:
         self._check_params(params)
         # fresh copies where the caller's arrays live (numpy: the default device), then
         # moved to the engine's placement if that is elsewhere (a no-op when it is not)
-        if borrow:  # only jax arrays can be lent: a host (numpy) array is copied, since
-            # device_put may alias it on CPU and the caller could then edit "resident" weights
-            owned = jax.tree.map(lambda x: x if isinstance(x, jax.Array)
-                                 else jnp.asarray(np.array(x, copy=True)), params)
-            finite, fingerprint = _checked(owned)
-        else:
-            owned, finite, fingerprint = _resident_copy(params)
-        resident = jax.block_until_ready(jax.device_put(owned, self._placement))
+        given, (base, adapters, scale) = params, lora.split(params)
+        lora_base = None
+        if adapters is not None:  # LoRA: the base held once; only the adapters move
+            lora_base = self._lora_base(base, version)
+            params = {"adapters": adapters, "scale": scale}
+        resident, finite, fingerprint = self._owned(params, borrow)
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
@@ -348,10 +358,63 @@ class RolloutEngine:
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         sizes = [x.nbytes for x in jax.tree.leaves(resident)]
         copied = sum(n for n, l in zip(sizes, lent) if not l)
+        lent_bytes = sum(n for n, l in zip(sizes, lent) if l)
+        if lora_base is not None:
+            lent_bytes += sum(x.nbytes for x in jax.tree.leaves(lora_base.params))
+            fingerprint = np.concatenate([lora_base.fingerprint, np.asarray(fingerprint)])
+            resident = lora.attach({**lora_base.params, lora.SCALE: resident["scale"]},
+                                   resident["adapters"])
+            source = tuple(jax.tree.leaves(given))
         return _Weights(version, resident, source, time.perf_counter() - begun, copied,
-                        any(lent), sum(n for n, l in zip(sizes, lent) if l),
+                        any(lent) or lora_base is not None, lent_bytes,
                         tuple(p for p, l in zip(paths, lent) if not l) if borrow else (),
-                        np.asarray(fingerprint))
+                        np.asarray(fingerprint), lora_base)
+
+    def _owned(self, params, borrow: bool):
+        """(params resident at the engine's placement, finite, fingerprint): fresh copies, or
+        with borrow the jax arrays themselves (a host numpy array is copied, since
+        device_put may alias it on CPU and the caller could then edit "resident" weights)."""
+        if borrow:
+            owned = jax.tree.map(lambda x: x if isinstance(x, jax.Array)
+                                 else jnp.asarray(np.array(x, copy=True)), params)
+            finite, fingerprint = _checked(owned)
+        else:
+            owned, finite, fingerprint = _resident_copy(params)
+        return jax.block_until_ready(jax.device_put(owned, self._placement)), finite, fingerprint
+
+    def _lora_base(self, base, version: int) -> _LoraBase:
+        """The base of a LoRA sync: the one already held when it is the same arrays or equal
+        weights (fingerprint), else the first base of this engine, lent (a jax array where
+        the engine runs is held as it is; the trainer never changes it). Adapters over
+        another base are refused: every version of this engine runs on one base."""
+        held = self._weights.lora_base
+        if held is not None and held.params is not None and _same_leaves(base, held.source):
+            return held
+        finite, fingerprint = _checked(base)
+        fingerprint = np.asarray(fingerprint)
+        if held is not None and not np.array_equal(fingerprint, held.fingerprint):
+            raise ValueError(f"version {version}: LoRA adapters over a different base model "
+                             f"than the one this engine serves (base fingerprints differ); "
+                             f"one engine runs one frozen base")
+        if held is not None and held.params is not None:
+            return held
+        if not bool(finite):
+            raise ValueError(f"the LoRA base for version {version} contains NaN or Inf; "
+                             f"refusing to sync it")
+        resident = self._owned(base, borrow=True)[0]
+        return _LoraBase(tuple(jax.tree.leaves(base)), resident, fingerprint)
+
+    def _fingerprint(self, params) -> np.ndarray:
+        """The fingerprint `_stage` records for params (LoRA: the base's, then the
+        adapters')."""
+        base, adapters, scale = lora.split(params)
+        if adapters is None:
+            return np.asarray(_checked(params)[1])
+        held = self._weights.lora_base
+        base_print = held.fingerprint if held is not None and held.params is not None and \
+            _same_leaves(base, held.source) else np.asarray(_checked(base)[1])
+        return np.concatenate([base_print, np.asarray(_checked(
+            {"adapters": adapters, "scale": scale})[1])])
 
     def _commit(self, staged: _Weights, start: float | None = None) -> WeightAck:
         """Commits staged weights; the ack's seconds are the sync's own time (staging from
@@ -389,6 +452,18 @@ class RolloutEngine:
         self.cache.reconcile(keep_versions=self._window())
 
     def _check_params(self, params) -> None:
+        """Raises ValueError (one line) unless params fit the model config: the base tree,
+        optionally with LoRA adapters (`models.lora`)."""
+        params, adapters, scale = lora.split(params) if isinstance(params, dict) \
+            else (params, None, None)
+        if adapters is not None:
+            if self.mesh is not None:
+                raise ValueError("LoRA adapters with a tensor-parallel engine mesh are not "
+                                 "supported; merge them (models.lora.merged) or run unsharded")
+            lora.check_adapters(self.model_config, adapters)
+            if getattr(scale, "shape", None) != () or getattr(scale, "dtype", None) != \
+                    jnp.float32:
+                raise ValueError(f"params[{lora.SCALE!r}] must be a float32 scalar")
         want = jax.tree.structure(self._param_shapes)
         got = jax.tree.structure(params)
         if got != want:
