@@ -1,7 +1,9 @@
 """Checkpoints: steps are versions, atomic under SIGKILL, verified by digest (on save too), never
 touching a directory that is not ours, one writer per directory while readers poll, one-line
 errors with a quiet stderr."""
+import dataclasses
 import fcntl
+import json
 import os
 import pathlib
 import select
@@ -18,8 +20,9 @@ import pytest
 
 from jaxrl_cache import dir_lock
 from jaxrl_cache.errors import VersionError
-from jaxrl_cache.models import ModelConfig
-from jaxrl_cache.rl.checkpoint import (MARKER, CheckpointError, latest_checkpoint_version,
+from jaxrl_cache.models import ModelConfig, lora
+from jaxrl_cache.rl.checkpoint import (MARKER, CheckpointError, base_fingerprint,
+                                       checkpoint_lora_config, latest_checkpoint_version,
                                        restore_checkpoint, save_checkpoint)
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
 from tests.helpers import CONFIG, hold_lock, varied_params
@@ -381,3 +384,94 @@ def test_a_step_pruned_while_a_reader_lists_steps_is_retried(tmp_path, state, mo
         FileNotFoundError(str(path))))
     with pytest.raises(CheckpointError, match="kept disappearing"):
         latest_checkpoint_version(tmp_path / "ckpt")
+
+
+# LoRA: adapters, optimizer state and version only, tied to the base by its fingerprint.
+LORA = lora.LoraConfig(rank=4, alpha=16, targets=("q_proj", "v_proj", "down_proj"))
+
+
+def lora_state(base, cfg=LORA, version=0, seed=3):
+    """A LoRA TrainState with B off zero and optimizer moments that are not their init."""
+    adapters = lora.init_adapters(CONFIG, cfg, jax.random.key(seed))
+    adapters = jax.tree.map(lambda x: x + 0.01 * (seed + 1), adapters)
+    s = TrainState.create(base, config=CONFIG, lora=cfg, adapters=adapters, version=version)
+    moved = jax.tree.map(lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                         s.opt_state)
+    return s.replace(opt_state=moved)
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_lora_checkpoint_holds_adapters_and_restores_them_bit_for_bit(tmp_path):
+    base = varied_params(0)
+    saved = lora_state(base, version=3)
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, saved)
+    meta = json.loads((d / "3" / "meta" / "metadata").read_text())
+    assert meta["lora"] == dict(rank=4, alpha=16.0, targets=list(LORA.targets))
+    assert meta["base"] == base_fingerprint(base)
+    assert {p.split("'")[1] for p, _, _ in meta["layout"]} == {"opt_state", "params", "version"}
+    assert not any("embed" in p or "wk" in p for p, _, _ in meta["layout"])  # no base weight
+    stored = sum(p.stat().st_size for p in (d / "3").rglob("*") if p.is_file())
+    assert stored < sum(x.nbytes for x in jax.tree.leaves(base))
+    assert checkpoint_lora_config(d) == LORA
+
+    template = TrainState.create(base, config=CONFIG, lora=LORA)  # fresh adapters, version 0
+    got = restore_checkpoint(d, template)
+    assert int(got.version) == 3 and optimizer_counts(got.opt_state) == [3]
+    assert_trees_equal(got.params, saved.params)
+    assert_trees_equal(got.opt_state, saved.opt_state)
+    assert got.frozen is template.frozen and got.lora == LORA
+    assert_trees_equal(got.model_params, saved.model_params)
+    save_checkpoint(d, saved)  # the same contents again: a no-op
+
+
+def test_lora_checkpoint_refuses_another_base_config_or_kind(tmp_path):
+    base = varied_params(0)
+    d, full_d = tmp_path / "lora", tmp_path / "full"
+    save_checkpoint(d, lora_state(base))
+    save_checkpoint(full_d, TrainState.create(base, config=CONFIG))
+    assert checkpoint_lora_config(full_d) is None
+    refusals = [
+        (d, TrainState.create(varied_params(1), config=CONFIG, lora=LORA),
+         "holds LoRA adapters of another base model .*: build the template over the base"),
+        (d, TrainState.create(base, config=CONFIG, lora=dataclasses.replace(LORA, rank=2)),
+         r"holds LoRA adapters \(rank 4, alpha 16, targets q_proj,v_proj,down_proj\), the "
+         r"template trains LoRA adapters \(rank 2, .*lora=checkpoint_lora_config"),
+        (d, TrainState.create(base, config=CONFIG, lora=dataclasses.replace(LORA, alpha=8)),
+         r"the template trains LoRA adapters \(rank 4, alpha 8,"),
+        (d, TrainState.create(base, config=CONFIG, lora=lora.LoraConfig(rank=4, alpha=16)),
+         r"template trains LoRA adapters \(rank 4, alpha 16, targets q_proj,v_proj\)"),
+        (d, TrainState.create(base, config=CONFIG),
+         r"holds LoRA adapters .*, the template trains full fine-tuning params"),
+        (full_d, TrainState.create(base, config=CONFIG, lora=LORA),
+         r"holds full fine-tuning params, the template trains LoRA adapters .*: restore it "
+         r"into a full fine-tuning TrainState"),
+    ]
+    for directory, template, message in refusals:
+        with pytest.raises(CheckpointError, match=message) as e:
+            restore_checkpoint(directory, template)
+        assert "\n" not in str(e.value)
+    other_base = lora_state(varied_params(1))  # same adapters and version, another base
+    with pytest.raises(CheckpointError, match="already holds version 0 with other contents"):
+        save_checkpoint(d, other_base)
+
+
+def test_base_fingerprint_is_by_value_and_cached_by_identity(monkeypatch):
+    import jaxrl_cache.rl.checkpoint as ckpt
+    base = varied_params(0)
+    first = base_fingerprint(base)
+    calls = []
+    digest = ckpt._digest
+    monkeypatch.setattr(ckpt, "_digest", lambda tree: calls.append(1) or digest(tree))
+    assert base_fingerprint(base) == first and not calls  # the very arrays: cached
+    copy = jax.tree.map(jnp.copy, base)
+    assert base_fingerprint(copy) == first and len(calls) == 1  # equal values, one pass
+    moved = {**copy, "embed": copy["embed"].at[0, 0].add(1.0)}
+    assert base_fingerprint(moved) != first
+    assert base_fingerprint(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)) != first

@@ -220,6 +220,15 @@ def _trainer_arguments(add, d) -> None:
              "[%(default)s]")
     add("--logprob-chunk", type=_positive_int, default=d.logprob_chunk,
         help="positions per LM-head chunk of the train step's log-probs [%(default)s]")
+    add("--lora-rank", type=_natural_int, default=d.lora_rank,
+        help="train LoRA adapters of this rank over the frozen model: the engine runs the "
+             "trainer's base weights (one copy), a sync moves only the adapters, the final "
+             "export adds a PEFT adapter directory; 0: full fine-tuning [%(default)s]")
+    add("--lora-alpha", type=_positive_float, default=d.lora_alpha,
+        help="LoRA scale = alpha / rank (PEFT's default) [%(default)s]")
+    add("--lora-targets", metavar="NAMES", default=None,
+        help="comma-separated projections to adapt (q_proj,k_proj,v_proj,o_proj,gate_proj,"
+             "up_proj,down_proj) or all-linear [q_proj,v_proj, as PEFT]")
 
 
 def _engine_arguments(add, d) -> None:

@@ -47,7 +47,7 @@ from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_kv_cache, init_params,
-                               load_tokenizer, save_pretrained)
+                               load_tokenizer, lora, save_peft_adapter, save_pretrained)
 from jaxrl_cache.models.hf import config_from_hf, read_json
 from jaxrl_cache.models.hub import resolve_model
 from jaxrl_cache.rl.evaluate import evaluate as evaluate_policy
@@ -374,7 +374,7 @@ def _evaluate(engine, state, tokenizer, task, opts, sampling, key) -> dict:
 
         def correct(i, sample, text) -> bool:
             return task.reward(text, examples[i].answer) == 1.0
-    return evaluate_policy(engine, state.params, int(state.version), prompts, correct,
+    return evaluate_policy(engine, state.model_params, int(state.version), prompts, correct,
                            sampling, rng=key, k=opts.eval_k, greedy=opts.eval_greedy,
                            decode=tokenizer.decode, episodes=episodes)
 
@@ -449,8 +449,7 @@ def run_demo(opts: DemoOptions, *, given=None) -> dict:
         opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step,
         evaluate=evaluate)
     rl_exact = None if stop.requested else evaluate(state)["exact_match"]
-    exported = save_pretrained(run.path / "final_model", loaded.config, state.params,
-                               tokenizer=loaded.tokenizer)
+    exported = _export(run, loaded, state)
     warm_started = _sft_steps(opts) > 0
     title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"
     if rows:
@@ -459,6 +458,18 @@ def run_demo(opts: DemoOptions, *, given=None) -> dict:
     return _summary(opts, task, loaded, rows, start_step, state, record, rl_exact,
                     warm_started, train, buffer_metrics, run, exported, stop,
                     time.perf_counter() - t_start)
+
+
+def _export(run: RunDir, loaded, state: TrainState) -> pathlib.Path:
+    """The final policy as an HF directory (LoRA: the adapters merged into the base, and
+    the adapters alone as a PEFT directory, final_adapter/, beside it)."""
+    if state.lora is None:
+        return save_pretrained(run.path / "final_model", loaded.config, state.params,
+                               tokenizer=loaded.tokenizer)
+    save_peft_adapter(run.path / "final_adapter", loaded.config, state,
+                      base_model_name_or_path=str(loaded.policy))
+    return save_pretrained(run.path / "final_model", loaded.config,
+                           lora.merged(state.model_params), tokenizer=loaded.tokenizer)
 
 
 @dataclasses.dataclass
@@ -494,8 +505,10 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
             run.write_record(record)
         policy = pathlib.Path(record["policy"])
         config, params = from_pretrained(policy)
-        ref_params = jax.tree.map(jnp.copy, params) if opts.kl_beta > 0 else None  # the
-        #   state's own arrays may be donated by the train step
+        lora_config = opts.lora_config()
+        ref_params = None if opts.kl_beta == 0 else params if lora_config else \
+            jax.tree.map(jnp.copy, params)  # full fine-tuning may donate the state's arrays;
+        #   LoRA's base is frozen (never donated), so it is the reference as it is
         tokenizer = load_tokenizer(policy)
         sampling = SamplingParams(n=opts.group_size, max_new_tokens=_max_new_tokens(opts, task),
                                   temperature=opts.temperature, top_p=opts.top_p,
@@ -503,7 +516,8 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
                                   include_stop_str_in_output=opts.include_stop_str_in_output,
                                   stop_token_ids=tokenizer.stop_token_ids)
         state = TrainState.create(params, _optimizer(opts), config=config,
-                                  lr_schedule=_lr_schedule(opts))
+                                  lr_schedule=_lr_schedule(opts), lora=lora_config,
+                                  rng=jax.random.key(opts.seed))
         placement = None if layout is None else layout.build(
             config, state, opts.prompts_per_step * opts.group_size)
         if placement is not None:  # restore_checkpoint reads into the template's layout

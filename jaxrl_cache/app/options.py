@@ -80,6 +80,9 @@ class DemoOptions:
     correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip
     #   against behavior; "decoupled": proximal = the params before the step's first update)
     mesh: str | None = None  # "trainer=T,engine=E" (see MeshLayout); None: one device
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank over the frozen model
+    lora_alpha: float = 8.0  # LoRA scale = alpha / rank (PEFT's default alpha)
+    lora_targets: tuple = ()  # PEFT module names or "all-linear"; (): q_proj, v_proj
     report_to: str | None = None  # metrics sinks, "tensorboard,csv" (rl.sinks)
 
     def __post_init__(self):
@@ -132,6 +135,7 @@ class DemoOptions:
             raise ValueError("--resume and --overwrite exclude each other")
         self._check_task_settings()
         self._check_rewards()
+        self._check_lora()
         from jaxrl_cache.rl.sinks import parse_report_to
         parse_report_to(self.report_to)
         if self.mesh is not None:
@@ -177,6 +181,33 @@ class DemoOptions:
                 positive = " and > 0" if name == "max_grad_norm" else ""
                 raise ValueError(f"--{name.replace('_', '-')} must be a number in "
                                  f"[{low}, {high}){positive}, got {value!r}")
+
+    def lora_config(self):
+        """The models.lora.LoraConfig of --lora-rank/--lora-alpha/--lora-targets, or None
+        (full fine-tuning)."""
+        if not self.lora_rank:
+            return None
+        from jaxrl_cache.models.lora import LoraConfig
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha,
+                          **({"targets": self.lora_targets} if self.lora_targets else {}))
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_targets, (list, str)):  # a flag, a run record, a config file
+            names = self.lora_targets.split(",") if isinstance(self.lora_targets, str) \
+                else self.lora_targets
+            object.__setattr__(self, "lora_targets", tuple(n.strip() for n in names))
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
+                or self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be an integer >= 0, got {self.lora_rank!r}")
+        if not self.lora_rank and (self.lora_targets or self.lora_alpha != 8.0):
+            raise ValueError("--lora-alpha / --lora-targets need --lora-rank R (> 0)")
+        if self.lora_rank and self.mesh is not None:
+            raise ValueError("--lora-rank with --mesh is not supported: LoRA runs on one "
+                             "device (the engine shares the trainer's base weights)")
+        try:
+            self.lora_config()
+        except ValueError as e:
+            raise ValueError(f"--lora-{str(e).split(' ', 2)[1]}: {e}") from None
 
     def _check_task_settings(self) -> None:
         from jaxrl_cache.app.tasks import Reward

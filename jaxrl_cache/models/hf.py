@@ -39,6 +39,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_cache.models.config import ModelConfig, RopeScaling
 from jaxrl_cache.models.llama import init_params
+from jaxrl_cache.models.lora import ADAPTERS, SCALE
 
 # (our name in params["layers"], HF name under "model.layers.{i}.", HF weight is [out, in])
 LAYER_WEIGHTS = (
@@ -492,7 +493,9 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
     one does not rewrite (its single file, index or shards) are removed once the new ones
     are written, so exactly one set remains; other files are left as they are. Weights in
     another format or name (pytorch_model.bin, consolidated.safetensors, ...), which
-    transformers or vLLM might load instead, make it refuse before writing anything.
+    transformers or vLLM might load instead, make it refuse before writing anything, as do
+    params carrying LoRA adapters (export `lora.merged(params)`, or the adapters alone with
+    `models.peft.save_peft_adapter`).
     """
     path = pathlib.Path(path)
     if path.is_dir():
@@ -503,6 +506,9 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
                                   f"(transformers or vLLM could load them): remove them or "
                                   f"save elsewhere")
     config_json = json.dumps(config_to_hf(config), indent=2)
+    if SCALE in params or ADAPTERS in params.get("layers", {}):
+        raise ValueError("the params carry LoRA adapters, which this export would drop: pass "
+                         "lora.merged(params), or save the adapters with save_peft_adapter")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(config_json)
     shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))

@@ -21,6 +21,11 @@ Guarantees:
   (max_to_keep) moves on to the newer latest step.
 - Ours only: the directory carries a marker file; a non-empty directory without it is refused
   (never written into, never pruned).
+- LoRA: a state with `lora` saves its adapters, optimizer state and version, never the base;
+  the step's metadata holds the LoraConfig and the base's fingerprint (`base_fingerprint`).
+  Restoring needs a template built over the same base with the same LoraConfig (refused
+  otherwise, as is a full fine-tuning step into a LoRA template and vice versa).
+  `checkpoint_lora_config` reads a step's LoraConfig to build that template.
 - Quiet: errors are one line. In a process that uses this module, orbax's log records and the
   "Event loop is closed" reports its background threads leave after a failed write are
   dropped (the CheckpointError says what failed).
@@ -33,6 +38,7 @@ import os
 import pathlib
 import sys
 import warnings
+import weakref
 
 import jax
 import numpy as np
@@ -40,6 +46,7 @@ import orbax.checkpoint as ocp
 
 from jaxrl_cache.dir_lock import DirectoryInUse, claim
 from jaxrl_cache.interrupts import deferred_signals
+from jaxrl_cache.models.lora import SCALE, LoraConfig
 from jaxrl_cache.rl.train import TrainState, optimizer_counts
 from jaxrl_cache.versioning import as_version
 
@@ -63,12 +70,74 @@ def _layout(payload) -> list[list]:
 
 
 def _digest(payload) -> str:
+    """blake2b of every leaf's dtype, shape and bytes in tree order (one leaf on the host at
+    a time)."""
     h = hashlib.blake2b(digest_size=32)
-    for leaf in jax.tree.leaves(jax.device_get(payload)):
-        a = np.asarray(leaf)
+    for leaf in jax.tree.leaves(payload):
+        a = np.asarray(jax.device_get(leaf))
         h.update(f"{a.dtype}{a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+_FINGERPRINT: list = []  # [(weakrefs to the base's leaves, fingerprint)]: the last base
+
+
+def base_fingerprint(base: dict) -> str:
+    """The digest of a base model's params (every leaf's dtype, shape and bytes in tree
+    order), which a LoRA checkpoint records: equal iff the base weights are bitwise equal.
+    One pass over the base; the fingerprint of the last base is cached while its very
+    arrays live (jax arrays are immutable)."""
+    leaves = jax.tree.leaves(base)
+    if _FINGERPRINT and len(_FINGERPRINT[0][0]) == len(leaves) and all(
+            ref() is leaf for ref, leaf in zip(_FINGERPRINT[0][0], leaves)):
+        return _FINGERPRINT[0][1]
+    digest = _digest(base)
+    if all(isinstance(leaf, jax.Array) for leaf in leaves):
+        _FINGERPRINT[:] = [([weakref.ref(leaf) for leaf in leaves], digest)]
+    return digest
+
+
+def _lora_dict(lora: LoraConfig | None) -> dict | None:
+    """A LoraConfig as the JSON a step's metadata holds (None for full fine-tuning)."""
+    return None if lora is None else dict(rank=lora.rank, alpha=lora.alpha,
+                                          targets=list(lora.targets))
+
+
+def _base_of(state: TrainState) -> str:
+    """The fingerprint of a LoRA state's frozen base (the frozen part without its scale)."""
+    return base_fingerprint({k: v for k, v in state.frozen.items() if k != SCALE})
+
+
+def _lora_meta(state: TrainState) -> dict:
+    """The metadata a LoRA step adds (none for full fine-tuning)."""
+    if state.lora is None:
+        return {}
+    return dict(lora=_lora_dict(state.lora), base=_base_of(state))
+
+
+def _describe(lora: dict | None) -> str:
+    if lora is None:
+        return "full fine-tuning params"
+    return (f"LoRA adapters (rank {lora['rank']}, alpha {lora['alpha']:g}, targets "
+            f"{','.join(lora['targets'])})")
+
+
+def _check_kind(meta: dict, template: TrainState, where: pathlib.Path) -> None:
+    """CheckpointError (one line) unless the step and the template are both full fine-tuning,
+    or both LoRA with one LoraConfig over the same base (fingerprint)."""
+    stored, wanted = meta.get("lora"), _lora_dict(template.lora)
+    if stored != wanted:
+        hint = ("restore it into a full fine-tuning TrainState (built without lora)"
+                if stored is None else "build the template with TrainState.create(base, "
+                "lora=checkpoint_lora_config(directory))")
+        raise CheckpointError(f"checkpoint {where} holds {_describe(stored)}, the template "
+                              f"trains {_describe(wanted)}: {hint}")
+    if stored is not None and meta.get("base") != (base := _base_of(template)):
+        raise CheckpointError(f"checkpoint {where} holds LoRA adapters of another base model "
+                              f"(base fingerprint {str(meta.get('base'))[:12]}, the template's "
+                              f"{base[:12]}): build the template over the base it was "
+                              f"trained on")
 
 
 class _OrbaxRecords(logging.Filter):
@@ -177,7 +246,8 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
         raise ValueError(f"max_to_keep must be a positive integer, got {max_to_keep!r}")
     version = as_version(state.version, "state.version")
     payload = _payload(state)
-    meta = dict(version=version, digest=_digest(payload), layout=_layout(payload))
+    meta = dict(version=version, digest=_digest(payload), layout=_layout(payload),
+                **_lora_meta(state))
     path = _directory(directory, create=True)
     _claim(path)
     _quiet()
@@ -188,7 +258,7 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
                                   f"holds the newer version {latest}")
         if version in mngr.all_steps():
             stored = _read_meta(mngr, path, version)
-            if stored.get("digest") != meta["digest"]:
+            if any(stored.get(k) != meta.get(k) for k in ("digest", "lora", "base")):
                 raise CheckpointError(f"{path} already holds version {version} with other "
                                       f"contents; a weight change needs a new version")
             return path / str(version)
@@ -229,10 +299,14 @@ def _read_meta(mngr, path, step) -> dict:
     return meta
 
 
-def _read_step(mngr, path: pathlib.Path, step: int, template: dict) -> tuple[dict, dict]:
+def _read_step(mngr, path: pathlib.Path, step: int, template: dict,
+               state: TrainState | None = None) -> tuple[dict, dict]:
     """(payload, meta) of `step` read into the structure and layout of the payload
-    `template`; CheckpointError if its metadata, layout or digest do not match."""
+    `template`; CheckpointError if its metadata, layout or digest do not match, or (given
+    the template `state`) the step is not of its kind: LoRA config and base (`_check_kind`)."""
     meta = _read_meta(mngr, path, step)
+    if state is not None:
+        _check_kind(meta, state, path / str(step))
     layout = _layout(template)
     if meta["layout"] != layout:
         diff = next(((a, b) for a, b in zip(meta["layout"], layout) if a != b),
@@ -263,6 +337,30 @@ def latest_checkpoint_version(directory) -> int | None:
         return mngr.latest_step()
 
 
+def checkpoint_lora_config(directory, *, step: int | None = None) -> LoraConfig | None:
+    """The LoraConfig step `step` (default: the latest) was trained with, None for a full
+    fine-tuning step: what the template of `restore_checkpoint` needs. Read-only;
+    CheckpointError if there is no such step."""
+    path = _directory(directory, create=False)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {pathlib.Path(directory).resolve()}")
+    _quiet()
+    with _reader(path) as mngr:
+        steps = mngr.all_steps()
+        chosen = (max(steps) if steps else None) if step is None else as_version(step, "step")
+        if chosen is None or chosen not in steps:
+            raise CheckpointError(f"no {'checkpoint' if chosen is None else f'version {chosen}'}"
+                                  f" in {path}")
+        lora = _read_meta(mngr, path, chosen).get("lora")
+    if lora is None:
+        return None
+    try:
+        return LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path / str(chosen)} has invalid LoRA metadata "
+                              f"{lora!r:.200}: {_first_line(e)}") from None
+
+
 def restore_checkpoint(directory, template: TrainState, *, step: int | None = None) -> TrainState:
     """Restores step `step` (default: the latest) into the structure of `template` (same
     model, optimizer and dtypes; its tx, schedule and config are kept). Read-only: it may
@@ -270,7 +368,9 @@ def restore_checkpoint(directory, template: TrainState, *, step: int | None = No
 
     CheckpointError if there is no such step, the template's layout differs from the stored
     one, the arrays' digest does not match, or the optimizer update counts disagree with the
-    version.
+    version. LoRA: the template's LoraConfig and base (fingerprint) must be the step's, and
+    a full fine-tuning step needs a full fine-tuning template (module doc); the template's
+    frozen base is kept.
     """
     if not isinstance(template, TrainState):
         raise TypeError(f"template must be a TrainState, got {type(template).__name__}")
@@ -288,7 +388,7 @@ def restore_checkpoint(directory, template: TrainState, *, step: int | None = No
                 raise CheckpointError(f"no version {chosen} in {path}; it holds "
                                       f"{sorted(steps)}")
             try:
-                restored, _ = _read_step(mngr, path, chosen, _payload(template))
+                restored, _ = _read_step(mngr, path, chosen, _payload(template), template)
                 break
             except CheckpointError:
                 # the writer may have pruned it while we read, after saving a newer step

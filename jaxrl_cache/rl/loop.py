@@ -72,7 +72,7 @@ class SyncRollouts:
         out = []
         for c in range(step * self.calls, (step + 1) * self.calls):
             prompts, meta = self.prompt_source(c)
-            args = (state.params, int(state.version), prompts)
+            args = (state.model_params, int(state.version), prompts)
             rng = jax.random.fold_in(self.key, c)
             out.append((meta, self.engine.rollout(*args, self.sampling, rng=rng)
                         if self.episodes is None else
@@ -85,7 +85,7 @@ class SyncRollouts:
 
     def publish(self, state: TrainState) -> WeightAck:
         """Borrows the new params (no copy): `get` releases them before the next update."""
-        return self.engine.sync_weights(state.params, state.version, borrow=True)
+        return self.engine.sync_weights(state.model_params, state.version, borrow=True)
 
     def close(self) -> dict:
         return {}
@@ -105,14 +105,14 @@ class AsyncRollouts:
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
-        self.worker.start(state.params, state.version, first_call=first_call)
+        self.worker.start(state.model_params, state.version, first_call=first_call)
 
     def get(self, step: int, state: TrainState):
         return [(item.meta, item.batch)
                 for item in self.buffer.get(self.calls, int(state.version))]
 
     def publish(self, state: TrainState) -> WeightAck:
-        return self.worker.publish(state.params, state.version)
+        return self.worker.publish(state.model_params, state.version)
 
     def close(self) -> dict:
         """Stops the worker; a call still in flight after stop_timeout is left to its daemon
@@ -195,7 +195,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
                          "params of older versions, which donation would delete")
     scorer = None if reward is None else Rewards.of(reward)  # checked before any rollout
     version = int(state.version)
-    history.seed(version, state.params)
+    history.seed(version, state.model_params)
     t0 = time.perf_counter()
     parts, untrainable = _trainable(step, rollouts.get(step, state))
     t1 = time.perf_counter()
@@ -224,7 +224,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
-    history.add(int(new_state.version), new_state.params)
+    history.add(int(new_state.version), new_state.model_params)
     record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
     record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
     record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,

@@ -237,6 +237,11 @@ class RolloutEngine:
         it cannot alias safely are copied: host (numpy) arrays, which device_put could alias
         on CPU, and arrays on another placement; the ack names them (`copied_leaves`) and
         splits the bytes (`copied_bytes`, `lent_bytes`).
+
+        LoRA params (`models.lora.attach`: a base plus adapters): the engine holds one base
+        for its life, lent (never copied per version; a host array is copied once), and a
+        sync copies only the adapters and the scale (`copied_bytes`; the base counts as
+        lent). Adapters over another base (fingerprint) are refused with a ValueError.
         """
         version = as_version(version)
         return self._serialized(self._sync, params, version, as_bool(borrow, "borrow"),
@@ -250,7 +255,8 @@ class RolloutEngine:
         for any rollout call). drop_kv: also drop every prefix-cache entry and free the KV
         pool (rebuilt empty by the next call), for a loop whose next call runs at a newer
         version, which could reuse none of it. Refused while an asynchronous call is in
-        flight (its decode chunks read these weights)."""
+        flight (its decode chunks read these weights). A LoRA engine keeps its base (held
+        once, lent by the trainer); the adapters are released."""
         drop_kv = as_bool(drop_kv, "drop_kv")
 
         def release():
@@ -260,10 +266,7 @@ class RolloutEngine:
             if drop_kv:
                 self.cache.clear()  # raises, changing nothing, if a live request holds pages
                 self._runner.release_pool()
-            base = self._weights.lora_base
-            self._weights = self._weights._replace(
-                params=None, source=(),
-                lora_base=base and base._replace(params=None, source=()))
+            self._weights = self._weights._replace(params=None, source=())
         self._serialized(release)
 
     def _sync(self, params, version: int, borrow: bool = False,
