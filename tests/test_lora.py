@@ -186,3 +186,45 @@ def test_checkpoint_free_dropout_refusal_reaches_train_state(base):
         TrainState.create(lora.attach(lora.frozen_part(base, ALL),
                                       lora.init_adapters(CONFIG, ALL, jax.random.key(0))),
                           config=CONFIG, lora=ALL)
+
+
+def test_kl_to_the_base_is_exactly_zero_at_version_0_and_grows_after(base):
+    """The base is the natural KL reference: zero-initialised B makes version 0 the base
+    bit for bit, so the k3 KL is exactly 0 before the first update and positive after."""
+    state = TrainState.create(base, optax.adamw(1.0, weight_decay=0.0), config=CONFIG,
+                              lr_schedule=1e-2, lora=ALL, rng=jax.random.key(1))
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=128, page_size=8))
+    batch = make_batch(_rollout_batch(engine, state, 0),
+                       [float(i % 2) for i in range(len(PROMPTS) * SP.n)])
+    new, metrics = train_step(state, batch, kl_beta=0.1, ref_params=base, audit_tolerance=0.0)
+    assert float(metrics["kl"]) == 0.0
+    engine.sync_weights(new.model_params, 1)
+    batch1 = make_batch(_rollout_batch(engine, new, 1, rng=5),
+                        [float(i % 3 == 0) for i in range(len(PROMPTS) * SP.n)])
+    _, metrics = train_step(new, batch1, kl_beta=0.1, ref_params=base, audit_tolerance=0.0)
+    assert float(metrics["kl"]) > 0.0
+
+
+def test_one_lora_update_at_a_real_learning_rate_is_caught_on_stale_kv(base):
+    """Exact attribution holds with adapters: after ONE update at lr 1e-6, an engine whose
+    cache ignores versions serves version-0 prefix KV to the version-1 rollout, and the
+    audit flags every sample that reused it; the honest engine's samples pass."""
+    class VersionBlind(RolloutEngine):
+        def _cache_key(self, version):
+            return 0
+
+    state = TrainState.create(base, optax.adamw(1.0, weight_decay=0.0), config=CONFIG,
+                              lr_schedule=1e-6, lora=ALL, rng=jax.random.key(1))
+    blind, honest = (cls(CONFIG, CacheConfig(num_pages=128, page_size=8))
+                     for cls in (VersionBlind, RolloutEngine))
+    first = _rollout_batch(blind, state, 0)
+    new, _ = train_step(state, make_batch(first, [float(i % 3 == 0) for i in range(9)]),
+                        audit_tolerance=0.0)
+    for engine in (blind, honest):
+        engine.sync_weights(new.model_params, 1)
+    stale = _rollout_batch(blind, new, 1, rng=2)
+    reused = tuple(i for i, s in enumerate(stale.samples) if s.cached_tokens > 0)
+    assert len(reused) == len(stale.samples)
+    assert audit_attribution(stale, {1: new.model_params}, CONFIG).flagged == reused
+    assert audit_attribution(_rollout_batch(honest, new, 1, rng=2), {1: new.model_params},
+                             CONFIG).ok

@@ -4,9 +4,10 @@ from jaxrl_cache.models.config import ModelConfig, RopeScaling
 from jaxrl_cache.models.hf import from_pretrained, save_pretrained
 from jaxrl_cache.models.llama import (DecoderLM, copy_pages, decode_forward, forward, init_kv_cache,
                                       init_params, prefill_forward)
+from jaxrl_cache.models.lora import LoraConfig
 from jaxrl_cache.models.peft import save_peft_adapter
 from jaxrl_cache.models.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "RopeScaling", "DecoderLM", "Tokenizer", "copy_pages", "decode_forward",
+__all__ = ["LoraConfig", "ModelConfig", "RopeScaling", "DecoderLM", "Tokenizer", "copy_pages", "decode_forward",
            "forward", "from_pretrained", "init_kv_cache", "init_params", "load_tokenizer",
            "prefill_forward", "save_peft_adapter", "save_pretrained"]
