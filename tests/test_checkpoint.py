@@ -281,7 +281,16 @@ def test_readers_never_delete_a_save_in_progress(tmp_path, state):
     assert (in_progress / "part").read_bytes() == b"x" * 64
 
 
-def test_a_save_that_does_not_read_back_is_deleted_and_raised(tmp_path, state, monkeypatch):
+@pytest.mark.parametrize("group_bytes", [None, 1])
+def test_a_save_that_does_not_read_back_is_deleted_and_raised(tmp_path, state, monkeypatch,
+                                                              group_bytes):
+    """group_bytes=1: the read-back verifies one leaf at a time (what bounds a large
+    state's verification memory) and still catches the flipped byte."""
+    import jaxrl_cache.rl.checkpoint as ckpt
+    if group_bytes is not None:
+        monkeypatch.setattr(ckpt, "VERIFY_GROUP_BYTES", group_bytes)
+        leaves = jax.tree.leaves(ckpt._payload(state))
+        assert len(ckpt._leaf_groups(leaves)) == len(leaves) > 1
     d = tmp_path / "ckpt"
     save_checkpoint(d, state)
     save = ocp.CheckpointManager.save
@@ -299,7 +308,7 @@ def test_a_save_that_does_not_read_back_is_deleted_and_raised(tmp_path, state, m
     new = at_version(state, 1, shift=1.0)
     with pytest.raises(CheckpointError, match="does not read back .* the step was deleted"):
         save_checkpoint(d, new)
-    monkeypatch.undo()
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
     assert latest_checkpoint_version(d) == 0 and not (d / "1").exists()
     save_checkpoint(d, new)  # the retry writes it again (not a no-op against a bad step)
     assert_params_equal(restore_checkpoint(d, state), new)

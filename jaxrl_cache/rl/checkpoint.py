@@ -74,10 +74,14 @@ def _digest(payload) -> str:
     a time)."""
     h = hashlib.blake2b(digest_size=32)
     for leaf in jax.tree.leaves(payload):
-        a = np.asarray(jax.device_get(leaf))
-        h.update(f"{a.dtype}{a.shape}".encode())
-        h.update(a.tobytes())
+        _hash_leaf(h, leaf)
     return h.hexdigest()
+
+
+def _hash_leaf(h, leaf) -> None:
+    a = np.asarray(jax.device_get(leaf))
+    h.update(f"{a.dtype}{a.shape}".encode())
+    h.update(a.tobytes())
 
 
 _FINGERPRINT: list = []  # [(weakrefs to the base's leaves, fingerprint)]: the last base
@@ -275,13 +279,63 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
             raise CheckpointError(f"saving version {version} into {path} failed: "
                                   f"{type(e).__name__}: {_first_line(e)}") from None
         try:
-            if _read_step(mngr, path, version, payload)[1] != meta:
+            if _read_meta(mngr, path, version) != meta:
                 raise CheckpointError(f"checkpoint {path / str(version)} holds other metadata")
+            if _stored_digest(path, version, payload) != meta["digest"]:
+                raise CheckpointError(f"checkpoint {path / str(version)}'s arrays do not "
+                                      f"match the saved state")
         except CheckpointError as e:
             mngr.delete(version)
             raise CheckpointError(f"saving version {version} into {path} failed: it does not "
                                   f"read back ({e}); the step was deleted") from None
     return path / str(version)
+
+
+VERIFY_GROUP_BYTES = 256 * 2**20  # a save reads its step back in groups of leaves this big
+
+
+def _leaf_groups(leaves: list) -> list[list[int]]:
+    """Indices of consecutive leaves in groups of at most VERIFY_GROUP_BYTES (a bigger leaf
+    alone)."""
+    groups, size = [[]], 0
+    for i, leaf in enumerate(leaves):
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        if groups[-1] and size + nbytes > VERIFY_GROUP_BYTES:
+            groups, size = groups + [[]], 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def _restore_args(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    return ocp.RestoreArgs() if sharding is None else ocp.ArrayRestoreArgs(
+        sharding=sharding, global_shape=leaf.shape, dtype=leaf.dtype)
+
+
+def _stored_digest(path: pathlib.Path, step: int, template: dict) -> str:
+    """`_digest` of a step's stored arrays, read back in groups of leaves (`_leaf_groups`,
+    orbax's placeholder restore), so verifying a save holds one group beside the state
+    instead of a second copy of it. `template`: the payload that was saved."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    leaves, treedef = jax.tree.flatten(abstract)
+    h = hashlib.blake2b(digest_size=32)
+    with _reader(path) as mngr:
+        for group in _leaf_groups(leaves):
+            chosen = set(group)
+            item = treedef.unflatten([leaf if i in chosen else ocp.PLACEHOLDER
+                                      for i, leaf in enumerate(leaves)])
+            args = jax.tree.map(_restore_args, item)
+            try:
+                restored = mngr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=item, restore_args=args)))["state"]
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"checkpoint {path / str(step)} is corrupted: "
+                                      f"{type(e).__name__}: {_first_line(e)}") from None
+            for leaf in jax.tree.leaves(restored):
+                if leaf is not ocp.PLACEHOLDER:
+                    _hash_leaf(h, leaf)
+    return h.hexdigest()
 
 
 def _first_line(e: Exception) -> str:
