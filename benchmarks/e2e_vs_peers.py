@@ -6,13 +6,15 @@ prompts x group x new tokens, temperature 1, constant lr 2e-5, one AdamW update 
 no KL) on this CPU, each in its own subprocess and venv, alternated round by round.
 
 Variants: jaxrl-mt (XLA default, multi-threaded Eigen), jaxrl-st (XLA_FLAGS
-single-threaded); trl-{1,2}t[-nockpt][-bf16] (torch.set_num_threads; gradient
-checkpointing on unless -nockpt; -bf16: HF Trainer's bf16 autocast, reported as its own
-system "trl-bf16" beside TRL's best fp32), tunix-mt. Per variant: s/step = median of steps
-2..N (step 1 is warm-up / compile), generation / update seconds (medians over the same
-steps), peak RSS (the child's VmHWM), mean reward of the first and last steps, load average
-before and after, and for jaxrl the compiles in steps 2..N. "best" per system: its faster
-variant.
+single-threaded), jaxrl-lora (jaxrl-mt training LoRA adapters over the frozen model, issue 37:
+rank 16, alpha 32, all-linear, same lr; its own system "jaxrl-lora", compared with jaxrl's
+best), jaxrl-mt-async / jaxrl-lora-async (the same with --async: a weight sync copies);
+trl-{1,2}t[-nockpt][-bf16] (torch.set_num_threads; gradient checkpointing on unless
+-nockpt; -bf16: HF Trainer's bf16 autocast, reported as its own system "trl-bf16" beside
+TRL's best fp32), tunix-mt. Per variant: s/step = median of steps 2..N (step 1 is warm-up /
+compile), generation / update seconds (medians over the same steps), peak RSS (the child's
+VmHWM), mean reward of the first and last steps, load average before and after, and for
+jaxrl the compiles in steps 2..N. "best" per system: its faster variant.
 
 Benchmark-only installs (not project dependencies):
     /work/torchvenv/bin/pip install trl datasets      # keep torch 2.13.0+cpu as it is
@@ -43,6 +45,14 @@ VARIANTS = {  # name: (system, python, script, extra args, extra env)
     "jaxrl-mt": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [], {}),
     "jaxrl-st": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [],
                  {"XLA_FLAGS": ST_FLAGS}),
+    "jaxrl-lora": ("jaxrl-lora", ROOT / ".venv/bin/python", "jaxrl_grpo.py",  # issue 37
+                   ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "all-linear"],
+                   {}),
+}
+for _name in ("jaxrl-mt", "jaxrl-lora"):  # --async: each weight sync copies (sync_bytes)
+    _system, _python, _script, _extra, _env = VARIANTS[_name]
+    VARIANTS[_name + "-async"] = (_system + "-async", _python, _script, _extra + ["--async"], _env)
+VARIANTS |= {
     "tunix-mt": ("tunix", pathlib.Path("/work/tunixvenv/bin/python"), "tunix_grpo.py", [], {}),
 }
 for _threads in (1, 2):
@@ -62,7 +72,7 @@ def run_variant(name: str, steps: int, log_dir: pathlib.Path, timeout: float,
     jaxrl_src: a directory holding a jaxrl_cache package (e.g. `git archive COMMIT
     jaxrl_cache`) that the jaxrl variants import instead of the working tree."""
     system, python, script, extra, env = VARIANTS[name]
-    if system == "jaxrl":  # the script's directory comes first on sys.path, not the tree's
+    if system.startswith("jaxrl"):  # the script's directory comes first on sys.path, not the tree's
         env = {**env, "PYTHONPATH": jaxrl_src or str(ROOT)}
     cmd = [str(python), str(PEERS / script), "--steps", str(steps), "--shape", shape, *extra]
     load_before = os.getloadavg()
@@ -207,8 +217,13 @@ def markdown(runs: list[dict], shape: str, steps: int) -> str:
         f"{s} {v['variant']} {v['s_per_step']:.2f} s/step" for s, v in best.items())]
     if "jaxrl" in best:
         ours = best["jaxrl"]["s_per_step"]
-        out.append("; ".join(f"{s}/jaxrl = {v['s_per_step'] / ours:.2f}x" for s, v in best.items()
-                             if s != "jaxrl") + " (above 1: this library is faster)")
+        peers = {s: v for s, v in best.items() if not s.startswith("jaxrl")}
+        if peers:
+            out.append("; ".join(f"{s}/jaxrl = {v['s_per_step'] / ours:.2f}x"
+                                 for s, v in peers.items()) + " (above 1: this library is faster)")
+        if "jaxrl-lora" in best:
+            out.append(f"jaxrl-lora/jaxrl = {best['jaxrl-lora']['s_per_step'] / ours:.2f}x "
+                       "(below 1: LoRA steps are faster than full fine-tuning)")
     return "\n".join(out) + "\n"
 
 

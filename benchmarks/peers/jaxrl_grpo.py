@@ -3,6 +3,8 @@
 are counted. One `STEP {json}` line per GRPO step (the demo's own metrics row).
 
     .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8 --shape 2x8x24
+    .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8 --shape 2x8x24 \
+        --lora-rank 16 --lora-alpha 32 --lora-targets all-linear   # other demo flags: passed on
 (thread setting: the caller's XLA_FLAGS). The demo's one-off work (model load, the eval
 before and after, the final checkpoint and export) is outside the steps."""
 from __future__ import annotations
@@ -37,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--shape", default=common.SHAPES[0], help="prompts x group x new tokens")
-    args = p.parse_args()
+    args, demo_flags = p.parse_known_args()  # the rest go to `jaxrl-cache demo` as given
     common.set_shape(args.shape)
     compiles = CompileCounter()
     jax.config.update("jax_log_compiles", True)
@@ -51,7 +53,8 @@ def main() -> None:
         r = result.record
         common.emit(step=step, seconds=r["step_seconds"], generation_seconds=r["rollout_seconds"],
                     update_seconds=r["train_seconds"], audit_seconds=r["audit_seconds"],
-                    sync_seconds=r["publish_seconds"], reward=r["reward"],
+                    sync_seconds=r["publish_seconds"], weight_sync_seconds=r["sync_seconds"],
+                    sync_bytes=r["sync_bytes"], reward=r["reward"],
                     generated_tokens=r["generated_tokens"], audited=r["audited_samples"],
                     logprob_mismatch_max=r["logprob_mismatch_max"],
                     compiles=len(compiles.names) - before, compiled=compiles.names[before:],
@@ -66,7 +69,7 @@ def main() -> None:
             "--group-size", str(common.GROUP), "--max-new-tokens", str(common.MAX_NEW_TOKENS),
             "--temperature", str(common.TEMPERATURE), "--lr", str(common.LR),
             "--warmup-steps", "0", "--seed", str(common.SEED), "--eval-prompts", "2",
-            "--checkpoint-every", str(args.steps + 1), "--out", out]
+            "--checkpoint-every", str(args.steps + 1), "--out", out, *demo_flags]
     print("jaxrl-cache " + " ".join(argv), file=sys.stderr, flush=True)
     sys.exit(cli.main(argv))
 
