@@ -241,7 +241,7 @@ def test_async_rollouts_resume_at_the_call_the_run_reached():
         asked.append(call)
         return source(call)
 
-    state = types.SimpleNamespace(params=PARAMS[0], version=3)
+    state = types.SimpleNamespace(model_params=PARAMS[0], version=3)
     eng = RolloutEngine(CONFIG, CacheConfig(num_pages=64, page_size=4),
                         scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=2),
                         backend="xla", kv_policy="recompute", max_policy_lag=1, version=3)

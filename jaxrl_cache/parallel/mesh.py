@@ -38,6 +38,7 @@ TRAIN_RULES: Rules = (
     ("bq", (None,)), ("bk", (None,)), ("bv", (None,)), ("bo", (None,)),
     ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
     ("q_norm", (None,)), ("k_norm", (None,)),
+    ("a", (None, None)), ("b", (None, None)),  # LoRA adapters [L, in, r], [L, r, out]: small
 )
 
 

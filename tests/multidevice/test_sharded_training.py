@@ -76,7 +76,7 @@ def test_step_keeps_the_layout_and_one_executable(run):
     assert all(jax.tree.leaves(same))
     wq = got.params["layers"]["wq"]
     assert wq.addressable_shards[0].data.shape == (1, 8, 64)  # d_model 32 over fsdp 4
-    packed = run["call"][0][3]  # [U, M, B, R]: rows split over data x fsdp
+    packed = run["call"][0][4]  # [U, M, B, R]: rows split over data x fsdp
     width = packed.tokens.shape[-1]  # planned for prompt + max_new_tokens
     assert packed.tokens.shape == (1, 1, 8, width) and width % 16 == 0
     assert packed.tokens.sharding.shard_shape(packed.tokens.shape) == (1, 1, 1, width)
@@ -120,7 +120,7 @@ def test_rows_are_padded_to_the_mesh(run):
     state, batch = common.train_state(), common.train_batch(n=6)
     placed = jax.device_put(state, train_state_shardings(state, run["mesh"]))
     got, call = recorded_step(placed, batch, run["mesh"])
-    assert call[0][3].tokens.shape[:3] == (1, 1, 8)
+    assert call[0][4].tokens.shape[:3] == (1, 1, 8)
     batch_module._PACKED_SHAPES.clear()  # the tightest single-device shape, not one packed before
     assert batch_module.pack_batch(batch, TrainConfig()).tokens.shape[2] < 8  # no mesh padding
     assert_same_step(got, train_step(state, batch))
@@ -139,3 +139,22 @@ def test_checkpoint_saved_on_8_restores_on_4_and_1(run, tmp_path):
                      host(got.opt_state))
         for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
             assert x.sharding.is_equivalent_to(t.sharding, x.ndim), (x.sharding, t.sharding)
+
+
+def test_lora_step_on_the_mesh_equals_single_device(run):
+    """LoRA under data x fsdp: the frozen base sharded by the same rules, the adapters
+    replicated; the update equals the single-device one and the base is untouched."""
+    from jaxrl_cache.models.lora import LoraConfig
+    base = common.train_state().params
+    state = train.TrainState.create(base, config=common.train_state().config,
+                                    lr_schedule=1e-2, lora=LoraConfig(rank=2, alpha=4,
+                                                                      targets="all-linear"))
+    batch = common.train_batch()
+    placed = jax.device_put(state, train_state_shardings(state, run["mesh"]))
+    got, metrics = train_step(placed, batch, mesh=run["mesh"])
+    ref, ref_metrics = train_step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    jax.tree.map(close, host(got.params), host(ref.params))
+    assert any(np.abs(np.asarray(ab["b"])).max() > 0 for ab in got.params.values())
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), host(got.frozen),
+                 host(state.frozen))
