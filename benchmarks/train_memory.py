@@ -12,10 +12,17 @@ the packing. `--analysis` adds XLA's compiled memory plan of the update
 compiles (the plan of a point too slow to run here). Growth per extra 1k tokens is the
 least-squares slope of peak RSS (points that ran steps) and of the plan over the points at
 or above the token budget. A GRPO batch with random output lengths is packed (host only)
-for its computed / real tokens. `--append` adds points to an existing --json.
+for its computed / real tokens. `--append` adds points to an existing --json (run full
+fine-tuning and LoRA in turn that way). `--lora-rank R` trains LoRA adapters of rank R
+(`--lora-alpha`, `--lora-targets` as PEFT's; default q_proj,v_proj) over the frozen random
+base instead of the whole model; `--interleave K` times full fine-tuning and that LoRA in
+one process, steps in turn (K rounds after a compiling one). Each row also carries tokens/s
+(N x L over the fastest step after the first, or the first) and `estimate_step_bytes`'s
+state and total.
 
     python -m benchmarks.train_memory [--points smollm2:8x128,qwen05:8x512] [--donate]
         [--single-thread] [--steps 2] [--analysis] [--json PATH] [--md PATH] [--append]
+        [--lora-rank R [--lora-alpha A] [--lora-targets all-linear] [--interleave K]]
 """
 from __future__ import annotations
 
@@ -115,19 +122,23 @@ def _update_memory_plan(state, batch, cfg) -> dict:
 
 
 def run_point(model: str, n: int, length: int, steps: int, donate: bool,
-              analysis: bool, knobs: dict | None = None) -> dict:
-    """One point in this process (meant to be a fresh one): floor, peak RSS, step seconds."""
+              analysis: bool, knobs: dict | None = None, lora: dict | None = None) -> dict:
+    """One point in this process (meant to be a fresh one): floor, peak RSS, step seconds.
+    lora: LoraConfig fields (rank, alpha, targets) to train adapters only, or None."""
     import jax
 
     from jaxrl_cache.models.config import ModelConfig
     from jaxrl_cache.models.llama import init_params
+    from jaxrl_cache.models.lora import LoraConfig
     from jaxrl_cache.rl.batch import make_batch, pack_batch
+    from jaxrl_cache.rl.memory import estimate_step_bytes
     from jaxrl_cache.rl.train import TrainState, train_step
     from jaxrl_cache.rl.train_config import TrainConfig
 
     config = ModelConfig(**MODELS[model])
+    lora_config = None if lora is None else LoraConfig(**lora)
     params = init_params(config, jax.random.key(0))
-    state = TrainState.create(params, config=config, lr_schedule=1e-6)
+    state = TrainState.create(params, config=config, lr_schedule=1e-6, lora=lora_config)
     del params
     jax.block_until_ready(state)
     floor_kib, init_peak_kib = _status_kib("VmRSS"), _status_kib("VmHWM")
@@ -147,12 +158,18 @@ def run_point(model: str, n: int, length: int, steps: int, donate: bool,
         seconds.append(time.perf_counter() - t0)
         loads.append(_load())
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    estimate = estimate_step_bytes(config, cfg, shape[-1], lora_config)
+    timed = seconds[1:] or seconds
     planned = None if plan is None else (plan["argument_size_in_bytes"]
                                          + plan["output_size_in_bytes"]
                                          - plan["alias_size_in_bytes"]
                                          + plan["temp_size_in_bytes"])
     return dict(model=model, n=n, length=length, tokens=n * length, donate=donate,
                 knobs=knobs or {}, steps=steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                lora=None if lora_config is None else dict(
+                    rank=lora_config.rank, alpha=lora_config.alpha,
+                    targets=list(lora_config.targets)),
+                trainable_params=sum(x.size for x in jax.tree.leaves(state.params)),
                 packed_shape_UMBR=shape, computed_tokens=computed,
                 real_tokens=batch.real_tokens,
                 computed_over_real=round(computed / batch.real_tokens, 4),
@@ -160,8 +177,51 @@ def run_point(model: str, n: int, length: int, steps: int, donate: bool,
                 init_peak_gib=round(init_peak_kib / 2**20, 3),
                 peak_rss_gib=round(peak_kib / 2**20, 3),
                 step_seconds=[round(s, 2) for s in seconds], load_after_step=loads,
+                tokens_per_s=round(n * length / min(timed), 1) if seconds else None,
+                estimate_gib={k: round(estimate[k] / GIB, 3) for k in ("state", "total")},
                 loss=float(metrics["loss"]) if steps else None, memory_plan=plan,
                 planned_gib=None if planned is None else round(planned / GIB, 3))
+
+
+def interleaved_point(model: str, n: int, length: int, rounds: int, donate: bool,
+                      knobs: dict | None, lora: dict) -> dict:
+    """Seconds per train step of full fine-tuning and of LoRA (`lora`) in one process, in turn
+    (one warm-up step each, then full, LoRA, full, ... `rounds` times): a load change on the
+    shared machine hits both alike. No per-mode peak RSS (both states are live)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_cache.models.config import ModelConfig
+    from jaxrl_cache.models.llama import init_params
+    from jaxrl_cache.models.lora import LoraConfig
+    from jaxrl_cache.rl.batch import make_batch
+    from jaxrl_cache.rl.train import TrainState, train_step
+    from jaxrl_cache.rl.train_config import TrainConfig
+
+    config = ModelConfig(**MODELS[model])
+    params = init_params(config, jax.random.key(0))
+    states = {"full": TrainState.create(jax.tree.map(jnp.copy, params), config=config,
+                                        lr_schedule=1e-6),  # own copy: donation frees it
+              "lora": TrainState.create(params, config=config, lr_schedule=1e-6,
+                                        lora=LoraConfig(**lora))}
+    batch = make_batch(fake_rollouts(n, length, config.vocab_size),
+                       np.random.default_rng(1).uniform(0, 1, n))
+    cfg = TrainConfig(donate=donate, **(knobs or {}))
+    seconds = {name: [] for name in states}
+    loads = []
+    for _ in range(rounds + 1):  # the first round compiles
+        for name in states:
+            t0 = time.perf_counter()
+            states[name], _ = jax.block_until_ready(train_step(states[name], batch, cfg))
+            seconds[name].append(round(time.perf_counter() - t0, 2))
+        loads.append(_load())
+    best = {name: min(s[1:]) for name, s in seconds.items()}
+    return dict(model=model, n=n, length=length, tokens=n * length, donate=donate,
+                knobs=knobs or {}, lora=dict(lora, targets=list(LoraConfig(**lora).targets)),
+                rounds=rounds, step_seconds=seconds, load_after_round=loads,
+                best_seconds=best,
+                tokens_per_s={k: round(n * length / v, 1) for k, v in best.items()},
+                lora_speedup=round(best["full"] / best["lora"], 3))
 
 
 def grpo_packing(prompts: int = 32, group: int = 8, max_new: int = 1024, seed: int = 0,
@@ -213,27 +273,46 @@ def markdown(result: dict) -> str:
              "(arguments + outputs - aliased + temp); time = last step (after compile) when "
              "steps = 2, else the first step (compile included); load = 1/5/15-min load "
              "average after it.", "",
-             "| model | N x L | donate | XLA 1-thread | steps | packed [U,M,B,R] | computed/real "
-             "| floor GiB | peak GiB | plan GiB | target GiB | s/step | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | N x L | training | donate | XLA 1-thread | steps | packed [U,M,B,R] "
+             "| computed/real | floor GiB | peak GiB | plan GiB | estimate GiB | target GiB "
+             "| s/step | tok/s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["points"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['n']}x{r['length']} | {r['donate']} | | | "
-                         f"failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['n']}x{r['length']} | {_training(r)} | "
+                         f"{r['donate']} | | | failed: {r['error']} | | | | | | | | | |")
             continue
         target = TARGETS.get((r["model"], r["n"], r["length"]))
         secs = r["step_seconds"]
         lines.append(
-            f"| {r['model']} | {r['n']}x{r['length']} | {r['donate']} | "
+            f"| {r['model']} | {r['n']}x{r['length']} | {_training(r)} | {r['donate']} | "
             f"{'eigen=false' in r.get('xla_flags', '')} | {r['steps']} | "
             f"{r['packed_shape_UMBR']} | {r['computed_over_real']} | {r['floor_gib']} | "
-            f"{r['peak_rss_gib']} | {r['planned_gib'] or ''} | {target or ''} | "
+            f"{r['peak_rss_gib']} | {r['planned_gib'] or ''} | "
+            f"{(r.get('estimate_gib') or {}).get('total', '')} | {target or ''} | "
             f"{secs[-1] if secs else ''}{'' if len(secs) > 1 or not secs else ' (1st)'} | "
+            f"{r.get('tokens_per_s') or ''} | "
             f"{r['load_after_step'][-1] if secs else r['load_before']} |")
     lines += ["", "Growth per extra 1k tokens (least squares over points >= the budget; "
               f"target <= {GROWTH_TARGET} GiB of peak RSS):", ""]
     for key, value in result["growth_gib_per_1k_tokens"].items():
         lines.append(f"- {key}: {value}")
+    if result.get("interleaved"):
+        lines += ["", "Full fine-tuning and LoRA in one process, steps in turn (`--interleave`; "
+                  "best of the rounds after a compiling one):", "",
+                  "| model | N x L | LoRA | rounds | full s/step | LoRA s/step | full tok/s | "
+                  "LoRA tok/s | speedup | load after each round |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["interleaved"]:
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['n']}x{r['length']} | | | failed: "
+                             f"{r['error']} | | | | | |")
+                continue
+            b, t = r["best_seconds"], r["tokens_per_s"]
+            lines.append(f"| {r['model']} | {r['n']}x{r['length']} | "
+                         f"{_training(r).removeprefix('LoRA ')} | {r['rounds']} | {b['full']} | "
+                         f"{b['lora']} | {t['full']} | {t['lora']} | {r['lora_speedup']} | "
+                         f"{r['load_after_round']} |")
     lines += ["", "GRPO batch with random lengths (prompt 16-128, output 1-max_new uniform):", "",
               "| prompts x group | max_new | mini_batches | packed [U,M,B,R] | computed/real |",
               "|---|---|---|---|---|"]
@@ -242,6 +321,25 @@ def markdown(result: dict) -> str:
                      f"{g['mini_batches']} | {g['packed_shape_UMBR']} | "
                      f"{g['computed_over_real']} |")
     return "\n".join(lines) + "\n"
+
+
+def _training(row: dict) -> str:
+    """'full' or 'LoRA r16 a32 q_proj,v_proj', plus TrainConfig knobs set on the command line."""
+    lora = row.get("lora")
+    what = "full" if not lora else (f"LoRA r{lora['rank']} a{lora['alpha']:g} "
+                                    + ("all-linear" if len(lora["targets"]) == 7
+                                       else ",".join(lora["targets"])))
+    return " ".join([what] + [f"{k}={v}" for k, v in (row.get("knobs") or {}).items()])
+
+
+def _lora(args) -> dict | None:
+    """LoraConfig fields of --lora-rank/--lora-alpha/--lora-targets (None: full fine-tuning)."""
+    if not args.lora_rank:
+        return None
+    out = dict(rank=args.lora_rank, alpha=args.lora_alpha)
+    if args.lora_targets:
+        out["targets"] = tuple(args.lora_targets.split(","))
+    return out
 
 
 def _knobs(args) -> dict:
@@ -253,7 +351,12 @@ def _knobs(args) -> dict:
 def _child_main(args) -> None:
     model, nl = args.child.split(":")
     n, length = (int(x) for x in nl.split("x"))
-    row = run_point(model, n, length, args.steps, args.donate, args.analysis, _knobs(args))
+    if args.interleave:
+        row = interleaved_point(model, n, length, args.interleave, args.donate, _knobs(args),
+                                _lora(args))
+    else:
+        row = run_point(model, n, length, args.steps, args.donate, args.analysis,
+                        _knobs(args), _lora(args))
     print("RESULT " + json.dumps(row), flush=True)
 
 
@@ -261,21 +364,27 @@ def _run_child(point: str, args, timeout: float) -> dict:
     model, nl = point.split(":")
     n, length = (int(x) for x in nl.split("x"))
     cmd = [sys.executable, "-m", "benchmarks.train_memory", "--child", point,
-           "--steps", str(args.steps)] + ["--donate"] * args.donate + \
+           "--steps", str(args.steps), f"--interleave={args.interleave}"] + \
+        ["--donate"] * args.donate + \
         ["--analysis"] * args.analysis + [f"--{k.replace('_', '-')}={v}"
-                                          for k, v in _knobs(args).items()]
+                                          for k, v in _knobs(args).items()] + \
+        ([f"--lora-rank={args.lora_rank}", f"--lora-alpha={args.lora_alpha}"]
+         + [f"--lora-targets={args.lora_targets}"] * bool(args.lora_targets)
+         if args.lora_rank else [])
     t0 = time.time()
     load_before = _load()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
-                    steps=args.steps, error=f"timeout after {timeout:.0f} s")
+                    steps=args.steps, lora=_lora(args), knobs=_knobs(args),
+                    error=f"timeout after {timeout:.0f} s")
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
         return dict(model=model, n=n, length=length, tokens=n * length, donate=args.donate,
-                    steps=args.steps, error=f"rc {proc.returncode}: {tail}")
+                    steps=args.steps, lora=_lora(args), knobs=_knobs(args),
+                    error=f"rc {proc.returncode}: {tail}")
     row = json.loads(found[-1][len("RESULT "):])
     row.update(load_before=load_before, wall_seconds=round(time.time() - t0, 1))
     return row
@@ -290,6 +399,14 @@ def main(argv=None) -> None:
     p.add_argument("--logprob-chunk", type=int, help="TrainConfig.logprob_chunk")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"])
     p.add_argument("--remat", choices=["full", "dots", "none"])
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank over the frozen base (0: full)")
+    p.add_argument("--lora-alpha", type=float, default=8.0, help="LoRA alpha [8, PEFT's]")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="time full fine-tuning and the --lora-* config in one process, steps "
+                        "in turn, ROUNDS each after a compiling one (no peak RSS)")
+    p.add_argument("--lora-targets", help="comma-separated PEFT module names or all-linear "
+                                          "[q_proj,v_proj]")
     p.add_argument("--analysis", action="store_true",
                    help="also compile the update for XLA's memory plan (more compile time)")
     p.add_argument("--single-thread", action="store_true",
@@ -301,6 +418,8 @@ def main(argv=None) -> None:
                    help="add the points to an existing --json (same settings) and rewrite --md")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.interleave and not args.lora_rank:
+        p.error("--interleave compares full fine-tuning with LoRA: give --lora-rank R")
     if args.child:
         return _child_main(args)
     if args.single_thread:
@@ -322,13 +441,16 @@ def main(argv=None) -> None:
     for point in args.points.split(","):
         row = _run_child(point, args, args.timeout)
         print(json.dumps(row), flush=True)
-        result["points"].append(row)
+        if args.interleave:
+            result.setdefault("interleaved", []).append(row)
+        else:
+            result["points"].append(row)
+    groups = sorted({(r["model"], r["donate"], _training(r)) for r in result["points"]})
     result["growth_gib_per_1k_tokens"] = {
-        f"{m} donate={d} {key}": _growth([r for r in result["points"]
-                                          if r["model"] == m and r["donate"] == d],
-                                         result["token_budget"], key)
-        for m in MODELS for d in (False, True) for key in ("peak_rss_gib", "planned_gib")
-        if any(r["model"] == m and r["donate"] == d for r in result["points"])}
+        f"{m} donate={d}{'' if t == 'full' else ' ' + t} {key}": _growth(
+            [r for r in result["points"] if (r["model"], r["donate"], _training(r)) == (m, d, t)],
+            result["token_budget"], key)
+        for m, d, t in groups for key in ("peak_rss_gib", "planned_gib")}
     write_report(result, args.json, args.md, markdown)
 
 

@@ -56,12 +56,15 @@ def test_lora_demo_trains_adapters_exports_peft_and_merged_and_resumes(tmp_path)
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3]
 
 
-def test_async_lora_demo_syncs_only_the_adapters(tmp_path):
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_async_lora_demo_syncs_only_the_adapters(tmp_path, policy):
     out = tmp_path / "async"
-    summary = demo.run_demo(demo.DemoOptions(out=str(out), async_rollouts=True, **SMALL,
-                                             **LORA))
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), async_rollouts=True,
+                                             kv_policy=policy, **SMALL, **LORA))
     assert summary["final_version"] == 3 and summary["audit_failures"] == 0
-    assert summary["mixed_tokens"] == 0
+    assert summary["mode"] == f"async/{policy}"
+    if policy == "recompute":
+        assert summary["mixed_tokens"] == 0
     config, _ = from_pretrained(out / "sft_model")
     assert {r["sync_bytes"] for r in read_rows(out)} == {_adapter_bytes(config)}
 

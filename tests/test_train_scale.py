@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.models.llama import forward
+from jaxrl_cache.models.lora import LoraConfig
 from jaxrl_cache.rl import memory, train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
 from jaxrl_cache.rl.packing import SHAPE_REUSE, balanced_parts, plan, scored_columns
@@ -361,6 +362,36 @@ def test_a_step_that_cannot_fit_says_so_before_any_work(monkeypatch):
     with pytest.raises(TrainMemoryError, match="lower token_budget|state alone"):
         train_step(state, batch)
     assert int(state.version) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_memory_estimate_counts_the_state_a_lora_train_state_holds(dtype):
+    """With LoRA the state is the frozen base once (+ a bf16 copy under bf16 compute over an
+    fp32 base) plus the adapters x 5 (x 8 without donation); activations as full FT."""
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    lora = LoraConfig(rank=4, targets="all-linear")
+    params = jax.tree.map(lambda x: x.astype(dtype), varied_params(0))
+    state = TrainState.create(params, config=config, lora=lora)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    est = estimate_step_bytes(config, TrainConfig(donate=True), lora=lora)
+    assert est["frozen"] == nbytes(state.frozen)  # base + the f32 scale
+    assert est["trainable"] == nbytes(state.params)
+    assert 2 * est["trainable"] <= nbytes(state.opt_state) <= 2 * est["trainable"] + 64
+    assert est["state"] == est["frozen"] + 5 * est["trainable"]
+    assert estimate_step_bytes(config, TrainConfig(), lora=lora)["state"] == \
+        est["frozen"] + 8 * est["trainable"]
+    assert est["activations"] == estimate_step_bytes(config, TrainConfig(donate=True))[
+        "activations"]
+    bf16 = estimate_step_bytes(config, TrainConfig(donate=True, compute_dtype="bfloat16"),
+                               lora=lora)
+    cast = (nbytes(state.frozen) - 4) // 2 if dtype == "float32" else 0  # bf16 base copy
+    assert bf16["frozen"] == est["frozen"] + cast
+    smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                       head_dim=64, d_ff=1536, max_seq_len=2048)
+    full = estimate_step_bytes(smol, TrainConfig())
+    check_memory(smol, TrainConfig(), available=full["total"] // 2, lora=lora)
+    with pytest.raises(TrainMemoryError):
+        check_memory(smol, TrainConfig(), available=full["total"] // 2)
 
 
 def test_shape_follows_the_prompts_not_the_sampled_lengths():

@@ -242,7 +242,7 @@ def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
                   row: int) -> None:
     """The KV pool, a train step (TrainMemoryError), the warm start's batch and a step's
     (or the eval's) samples against the memory available (unknown: no check)."""
-    check_memory(config, train)
+    check_memory(config, train, lora=opts.lora_config())
     have = available_bytes()
     if have is None:
         return

@@ -3,7 +3,8 @@
 Memory is set by a micro-batch, not the batch: samples are packed into micro-batches of at
 most `token_budget` tokens, log-probs come chunked (never [N, L, V] logits) and the layer
 scan is rematerialised (`remat`), so the estimate is the state plus one micro-batch's
-activations, independent of the batch size.
+activations, independent of the batch size. With LoRA (`lora`) the state is the frozen
+base once plus the adapters' params, gradients and Adam state; the activations are the same.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxrl_cache.models.llama import ModelConfig, init_params
+from jaxrl_cache.models.lora import LoraConfig, init_adapters
 from jaxrl_cache.rl.packing import MAX_ROW
 from jaxrl_cache.rl.train_config import TrainConfig
 
@@ -22,16 +24,27 @@ class TrainMemoryError(ValueError):
     """A train step that cannot fit the device memory (raised before any work)."""
 
 
-def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
-                        row_length: int | None = None) -> dict:
+def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
+                        lora: LoraConfig | None = None) -> dict:
     """Rough peak bytes of one train step: the state (params, gradients, Adam moments, the
     update's temporaries, and without donation a second params + Adam copy) plus the
     activations of one micro-batch of `token_budget` tokens (each layer's saved input,
     one layer's rematerialised backward, attention scores of rows of `row_length`, one
     LM-head chunk; row_length None: the longest rows packing makes). Independent of the
-    batch size: that is the point of the budget."""
-    param = 4 * _param_count(config)
-    state = param * (5 if cfg.donate else 8)
+    batch size: that is the point of the budget.
+
+    Full fine-tuning: state = 4 B x params x (5, or 8 without donation). With `lora`: the
+    frozen base once in config.dtype (never donated or copied; + a compute_dtype copy when
+    that differs) and the adapters x (5 or 8); keys `frozen` and `trainable` say which."""
+    if lora is None:
+        frozen, trainable = 0, 4 * _param_count(config)
+    else:
+        base = np.dtype(config.dtype).itemsize
+        frozen = _param_count(config) * base + 4  # + the f32 scale
+        if cfg.compute_dtype != "float32" and np.dtype(cfg.compute_dtype).itemsize != base:
+            frozen += _param_count(config) * np.dtype(cfg.compute_dtype).itemsize
+        trainable = _adapter_count(config, lora) * base
+    state = frozen + trainable * (5 if cfg.donate else 8)
     act = 2 if cfg.compute_dtype == "bfloat16" else 4
     t, d = cfg.token_budget, config.d_model
     width = min(MAX_ROW if row_length is None else max(row_length, 1), t)
@@ -39,13 +52,21 @@ def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig,
     saved = config.n_layers * t * d * act * (1 if cfg.remat != "none" else 12)
     layer = 3 * t * (3 * config.d_ff + 8 * d + qkv) * act + 12 * t * config.n_heads * width
     head = 4 * 4 * cfg.logprob_chunk * config.vocab_size
-    return dict(state=state, activations=saved + layer + head, total=state + saved + layer + head)
+    return dict(state=state, activations=saved + layer + head,
+                total=state + saved + layer + head, frozen=frozen, trainable=trainable)
 
 
 @functools.lru_cache(maxsize=None)
 def _param_count(config: ModelConfig) -> int:
     """Parameters of a model (abstract init, once per config: train_step checks every call)."""
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter_count(config: ModelConfig, lora: LoraConfig) -> int:
+    """LoRA adapter parameters: n_layers x rank x (in + out) per target (abstract init)."""
+    shapes = jax.eval_shape(lambda: init_adapters(config, lora, jax.random.key(0)))
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
 
@@ -68,19 +89,20 @@ MEMORY_SLACK = 1.25  # the estimate is rough: refuse only what clearly cannot fi
 
 
 def check_memory(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
-                 available: int | None = None) -> None:
+                 available: int | None = None, lora: LoraConfig | None = None) -> None:
     """Raises TrainMemoryError (one line, the numbers and the setting to change) if the
-    step's estimate exceeds MEMORY_SLACK x the available memory (default
-    `available_bytes()`; unknown: no check)."""
+    step's estimate (`estimate_step_bytes`, LoRA-aware with `lora`) exceeds MEMORY_SLACK x
+    the available memory (default `available_bytes()`; unknown: no check)."""
     have = available_bytes() if available is None else available
-    need = estimate_step_bytes(config, cfg, row_length)
+    need = estimate_step_bytes(config, cfg, row_length, lora)
     if have is None or need["total"] <= MEMORY_SLACK * have:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     per_token = max(need["activations"] / cfg.token_budget, 1.0)
     fits = int((MEMORY_SLACK * have - need["state"]) / per_token) // 256 * 256
     hint = (f"lower token_budget (--token-budget) to about {fits}" if fits >= 256 else
-            "the state alone does not fit: donate=True, a smaller model or more memory")
+            "the state alone does not fit: " + ("a bfloat16 base" if lora else "donate=True")
+            + ", a smaller model or more memory")
     raise TrainMemoryError(
         f"train step needs ~{gib(need['total'])} (state {gib(need['state'])} + "
         f"{gib(need['activations'])} for micro-batches of {cfg.token_budget} tokens), "

@@ -376,7 +376,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
-    check_memory(state.config, cfg, packed.tokens.shape[-1])
+    check_memory(state.config, cfg, packed.tokens.shape[-1], lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     layout = None
     if mesh is not None:
