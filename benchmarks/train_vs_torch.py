@@ -121,10 +121,12 @@ def profile_ours(n: int, length: int, remats: list[str]) -> dict:
 
     def logp(p, mb, remat="none"):
         return token_log_probs(p, config, mb.tokens, mb.targets, knobs, kind=kind,
-                               positions=mb.positions, segments=mb.segments, remat=remat)
+                               positions=mb.positions, segments=mb.segments,
+                               parents=mb.parents, remat=remat)
 
     programs = {"decoder forward": lambda p, mb: hidden_states(p, config, mb.tokens,
-                                                               mb.positions, mb.segments),
+                                                               mb.positions, mb.segments,
+                                                               mb.parents),
                 "forward + log-probs": logp}
     for remat in remats:
         programs[f"grad remat={remat}"] = jax.grad(

@@ -186,6 +186,62 @@ def _sum_to(grad, x):
 blocked_attention.defvjp(_attention_forward, _attention_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def gathered_attention(q, k, v, blocks, visible, scale: float):
+    """`blocked_attention` over only the key blocks each query block can see: the same bits
+    (a block no query of the tile sees adds exact zeros there, so leaving it out changes
+    nothing), with work proportional to the visible blocks, not to the row.
+
+    q [..., NQ, M, D] (queries in NQ tiles of M rows); k, v [..., L, D]; blocks int32
+    [..., NQ, KM]: the key blocks (of KEY_BLOCK keys) each tile attends to, increasing,
+    padded with any block index (those blocks must be invisible); visible bool
+    [..., NQ, M, KM * KEY_BLOCK] over the gathered keys. Returns f32 [..., NQ, M, D].
+    The backward pass is dense attention's over the gathered keys (as `blocked_attention`).
+    """
+    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)  # [..., NQ, KM, KB, D]
+    vis = visible.reshape(*visible.shape[:-1], blocks.shape[-1], KEY_BLOCK)
+    p, l_blocks = softmax_blocks(block_scores(q, kg, scale), jnp.moveaxis(vis, -2, -3))
+    return combine_blocks(block_values(p, vg), l_blocks)
+
+
+def _gather_blocks(x, blocks):
+    """x [..., L, D], blocks int32 [..., NQ, KM] -> [..., NQ, KM, KEY_BLOCK, D]."""
+    xb = key_blocks(x, -2)  # [..., NB, KB, D]
+    flat = blocks.reshape(*blocks.shape[:-2], -1)  # [..., NQ * KM]
+    picked = jnp.take_along_axis(xb, flat[..., None, None], axis=-3, mode="clip")
+    return picked.reshape(*blocks.shape, KEY_BLOCK, x.shape[-1])
+
+
+def _gathered_forward(q, k, v, blocks, visible, scale):
+    out = gathered_attention(q, k, v, blocks, visible, scale)
+    return out, (q, k, v, blocks, visible, out)
+
+
+def _gathered_backward(scale, residuals, d_out):
+    """Dense attention's backward on each tile's gathered keys; key cotangents are summed
+    back into their blocks (a block several tiles see gets all their shares)."""
+    q, k, v, blocks, visible, out = residuals
+    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)
+    kg = kg.reshape(*kg.shape[:-3], -1, kg.shape[-1])  # [..., NQ, KM * KB, D]
+    vg = vg.reshape(*vg.shape[:-3], -1, vg.shape[-1])
+    dq, dkg, dvg, _ = _attention_backward(scale, (q, kg, vg, visible, out), d_out)
+
+    def scatter(x, dg):  # dg [..., NQ, KM * KB, D] -> [..., L, D]
+        xb = key_blocks(x, -2)
+        lead, (nb, kb, d) = xb.shape[:-3], xb.shape[-3:]
+        dg = dg.reshape(*lead, -1, kb, d).astype(jnp.float32)  # [..., NQ * KM, KB, D]
+        idx = blocks.reshape(*lead, -1)  # blocks share x's leading dims
+        flat_lead = int(np.prod(lead, dtype=np.int64))
+        total = jax.vmap(lambda i, g: jnp.zeros((nb, kb, d), jnp.float32).at[i].add(g))(
+            idx.reshape(flat_lead, -1), dg.reshape(flat_lead, -1, kb, d))
+        return total.reshape(*lead, nb * kb, d)[..., :x.shape[-2], :].astype(x.dtype)
+
+    return dq, scatter(k, dkg), scatter(v, dvg), None, None
+
+
+gathered_attention.defvjp(_gathered_forward, _gathered_backward)
+
+
 @functools.lru_cache(maxsize=None)
 def batch_invariant(head_dim: int, dtype: str = "float32") -> bool:
     """Whether this backend's dots keep the blocked order's bits at `head_dim` whatever the

@@ -14,7 +14,8 @@ from jaxrl_cache.models.llama import forward
 from jaxrl_cache.models.lora import LoraConfig
 from jaxrl_cache.rl import memory, train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
-from jaxrl_cache.rl.packing import SHAPE_REUSE, balanced_parts, plan, scored_columns
+from jaxrl_cache.rl.packing import (SHAPE_REUSE, balanced_parts, pack, plan, scored_columns,
+                                    shared_prefix)
 from jaxrl_cache.rl.batch import group_advantages_no_std, make_batch, pack_batch
 from jaxrl_cache.rl.memory import TrainMemoryError, check_memory, estimate_step_bytes
 from jaxrl_cache.rl.train import TrainState, optimizer_counts, train_step
@@ -116,6 +117,98 @@ def test_packed_rows_equal_separate_rows():
         np.testing.assert_allclose(got[at:at + len(s) - 1], dense_log_probs(params, s, sp),
                                    atol=2e-5)
         at += len(s)
+
+
+def _packed_pair(params, sp, budget=4096):
+    """A GRPO batch (2 prompts of 17-20 tokens x 4 samples) packed with and without
+    shared prefixes."""
+    batch = make_batch(rollout(params, sp, groups=2, prompt_len=(17, 21)),
+                       [float(i % 3) for i in range(8)])
+    args = (batch.sequences, batch.prompt_lengths, batch.behavior_logprobs,
+            batch.token_versions, batch.advantages,
+            [m.astype(np.float32) for m in batch.loss_masks], batch.loss_masks)
+    return [pack(*args, parts=[np.arange(8)], token_budget=budget, share_prefixes=share)
+            for share in (True, False)]
+
+
+def _per_sample(packed, values):
+    """values [U, M, B, R] -> per weighted position, in sample order (behavior as the key)."""
+    keep = np.asarray(packed.weights) > 0
+    order = np.lexsort((np.asarray(packed.behavior)[keep],))
+    return np.asarray(values)[keep][order]
+
+
+def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
+    """Samples of one prompt lay out its whole KEY_BLOCKs once (parents): fewer computed
+    tokens, every sampled token's log-prob the same bits as the recorded (dense, on-policy)
+    one and as the unshared packing's, with attention over the whole row or over each
+    tile's kv_blocks only, and the same gradient of a weighted log-prob sum."""
+    params, sp = varied_params(3), SETTINGS[1]
+    shared, alone = _packed_pair(params, sp)
+    assert int(np.asarray(shared.parents).max()) > 0
+    assert shared.computed_tokens < alone.computed_tokens
+    # each child's positions continue after its prefix, whose length is shared_prefix(prompt)
+    parents, segments = np.asarray(shared.parents), np.asarray(shared.segments)
+    child = parents > 0
+    first = child & np.concatenate([np.ones_like(child[..., :1]),
+                                    segments[..., 1:] != segments[..., :-1]], -1)
+    assert set(np.asarray(shared.positions)[first].tolist()) == {16}
+    knobs, kind = sp.as_arrays(), filter_kind(sp.temperature, sp.top_p, sp.top_k,
+                                              CONFIG.vocab_size)
+
+    def score(p, packed, gathered=True):  # gathered: attention on each tile's kv_blocks
+        flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), packed)
+        return token_log_probs(p, CONFIG, flat.tokens, flat.targets, knobs, kind=kind,
+                               positions=flat.positions, segments=flat.segments,
+                               parents=flat.parents,
+                               kv_blocks=flat.kv_blocks if gathered else None,
+                               chunk=8).reshape(packed.tokens.shape)
+
+    for packed in (shared, alone):  # the recorded log-probs are the dense model's
+        got = _per_sample(packed, score(params, packed))
+        np.testing.assert_allclose(got, _per_sample(packed, packed.behavior), atol=2e-5)
+    reference = _per_sample(alone, score(params, alone, gathered=False))
+    for packed, gathered in ((shared, True), (shared, False), (alone, True)):
+        np.testing.assert_array_equal(_per_sample(packed, score(params, packed, gathered)),
+                                      reference)
+    loss = lambda p, k, g: jnp.sum(score(p, k, g) * k.weights * k.advantages)  # noqa: E731
+    grads = [jax.grad(loss)(params, packed, gathered)
+             for packed, gathered in ((shared, True), (shared, False), (alone, False))]
+    for other in grads[:2]:
+        for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(grads[2])):
+            # fp32 sums in another order (the prefix's gradient is summed over its samples)
+            scale = float(np.abs(np.asarray(b)).max())
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                                       atol=1e-4 * scale)
+    # a tile lists its prefix's blocks, then its own up to itself, padded with -1
+    blocks, segs = np.asarray(shared.kv_blocks)[0, 0], np.asarray(shared.segments)[0, 0]
+    for b in range(blocks.shape[0]):
+        for tile, listed in enumerate(blocks[b]):
+            listed = listed[listed >= 0]
+            assert list(listed) == sorted(listed) and (not len(listed) or listed[-1] == tile)
+            if segs[b, tile * 16]:
+                seen = {int(segs[b, c]) for t in listed for c in range(t * 16, t * 16 + 16)}
+                assert int(segs[b, tile * 16]) in seen
+
+
+def test_shared_prefix_plans():
+    """shared_prefix keeps the prompt's last token with each sample; a group longer than a
+    row splits into units, each with its own copy of the prefix; GRPO groups of long prompts
+    pack into fewer tokens than the sequences' own lengths."""
+    assert [shared_prefix(p) for p in (1, 16, 17, 43, 48, 49)] == [0, 0, 16, 32, 32, 48]
+    lengths = np.array([96] * 8 + [48])  # 8 samples sharing 64 tokens, one alone
+    width, micro, per_micro, rows = plan([lengths], 256, groups_per_part=[[(64, range(8))]])
+    units = [u for r in rows[0] for u in r]
+    assert sorted(i for _, m in units for i in m) == list(range(9))
+    for row in rows[0]:
+        assert sum(p + sum(lengths[i] - p for i in m) for p, m in row) <= width
+    assert {p for p, m in units if len(m) > 1} == {64} and len(units) > 2
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.integers(100, 400, 8), 8)
+    lengths = (prompts + rng.integers(1, 257, 64) + 15) // 16 * 16
+    groups = [(shared_prefix(int(prompts[g * 8])), range(g * 8, g * 8 + 8)) for g in range(8)]
+    width, micro, per_micro, _ = plan([lengths], 4096, groups_per_part=[groups])
+    assert micro * per_micro * width < 0.75 * lengths.sum()
 
 
 def test_scored_columns_score_only_those_positions():
@@ -270,8 +363,9 @@ def test_decoupled_proximal_is_the_params_before_the_first_update():
 
 def test_padding_waste_on_a_grpo_batch():
     """64 samples, prompts of 20-80 tokens, outputs uniform in 1..256: computed / real
-    tokens <= 1.1 at the default budget (1 or 4 mini-batches), a quarter of the batch, and a
-    budget above the batch. (A mini-batch just over the budget is the worst case: two
+    tokens <= 1.15 at the default budget (1 or 4 mini-batches), a quarter of the batch, and a
+    budget above the batch (the planner may take a few % of padding for narrower rows:
+    attention grows with the row). (A mini-batch just over the budget is the worst case: two
     micro-batches of half a budget each, up to ~1.35 here.)"""
     rng = np.random.default_rng(0)
     prompts = np.repeat(rng.integers(20, 81, 8), 8)
@@ -283,7 +377,7 @@ def test_padding_waste_on_a_grpo_batch():
             width, micro, per_micro, _ = plan(split, budget)
             assert per_micro * width <= max(budget, width)
             ratio = parts * micro * per_micro * width / lengths.sum()
-            assert ratio <= 1.1, (budget, parts, ratio)
+            assert ratio <= 1.15, (budget, parts, ratio)
     with pytest.raises(ValueError, match="a sample of 300 tokens exceeds the token budget "
                                          r"\(256 per micro-batch\); raise token_budget"):
         plan([np.array([300, 20])], 256)
@@ -299,8 +393,9 @@ def test_plan_reuses_compiled_shapes():
         lengths = rng.integers(15, 21, 16) + rng.integers(1, 25, 16)
         best = plan([lengths], 4096)
         width, micro, per_micro, rows = plan([lengths], 4096, known=known)
-        assert sorted(i for r in rows[0] for i in r) == list(range(16))
-        assert all(sum(lengths[r]) <= width for r in rows[0])
+        members = [[i for _, unit in r for i in unit] for r in rows[0]]
+        assert sorted(i for m in members for i in m) == list(range(16))
+        assert all(sum(lengths[m]) <= width for m in members)
         assert len(rows[0]) <= micro * per_micro and per_micro * width <= 4096
         assert micro * per_micro * width <= SHAPE_REUSE * best[1] * best[2] * best[0]
         known.add((width, micro, per_micro))

@@ -21,7 +21,7 @@ from jaxrl_cache.models.dense import dense
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import split_batch
 from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
-from kernels_pallas.blocked import blocked_attention, tree_sum
+from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention, tree_sum
 
 
 class DecoderLayers(nnx.Module):
@@ -170,38 +170,87 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
     return x, kv_cache
 
 
-def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=None, *,
-                  remat: str = "none"):
+def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=None,
+                  parents=None, kv_blocks=None, *, remat: str = "none"):
     """Dense causal forward to the last block's output (before the final norm).
 
     tokens int32 [B, T] (T <= max_seq_len); positions int32 [B, T] (default 0..T-1);
     segments int32 [B, T] (default: one segment per row): packed rows hold several
     sequences, a token attends only to earlier tokens of its own segment, and positions
     restart per sequence; for the sampler's bits a sequence starts on a multiple of
-    KEY_BLOCK (`kernels_pallas.blocked`). Returns x [B, T, d_model] in the params' dtype.
+    KEY_BLOCK (`kernels_pallas.blocked`). parents int32 [B, T] (optional, with segments;
+    0 = none): a token also attends to the earlier tokens of segment parents[b, t] (a prefix
+    its sequence shares with others of the row, laid out once before them; the positions
+    then continue from the prefix's length). kv_blocks int32 [B, T / KEY_BLOCK, KM]
+    (optional, with segments): the key blocks each tile of KEY_BLOCK queries can see
+    (increasing, padded with -1): attention then runs on those blocks only
+    (`gathered_attention`, the same bits). Returns x [B, T, d_model] in the params' dtype.
     """
     batch, length = tokens.shape
     if segments is None and length > config.max_seq_len:  # packed rows: positions restart
         raise ValueError(f"tokens has length {length} > max_seq_len {config.max_seq_len}")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
-    if segments is not None:
-        mask = mask & (segments[:, :, None] == segments[:, None, :])
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
-    visible = jnp.repeat(mask, group, axis=1)[:, None]  # [B or 1, 1, T * G, T]
+    if kv_blocks is not None:
+        attend = _gathered_attend(config, segments, parents, kv_blocks)
+    else:
+        mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
+        if segments is not None:
+            mask = mask & _sees(segments, parents)
+        visible = jnp.repeat(mask, group, axis=1)[:, None]  # [B or 1, 1, T * G, T]
 
-    def attend(_, q, k, v, kv_cache):  # the sampler's order (kernels_pallas.blocked)
-        qg = q.reshape(batch, length, hkv, group, hd).transpose(0, 2, 1, 3, 4)
-        out = blocked_attention(qg.reshape(batch, hkv, length * group, hd),
-                                k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible,
-                                hd ** -0.5)  # [B, Hkv, T * G, D]
-        out = out.reshape(batch, hkv, length, group, hd).transpose(0, 2, 1, 3, 4)
-        return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
+        def attend(_, q, k, v, kv_cache):  # the sampler's order (kernels_pallas.blocked)
+            qg = q.reshape(batch, length, hkv, group, hd).transpose(0, 2, 1, 3, 4)
+            out = blocked_attention(qg.reshape(batch, hkv, length * group, hd),
+                                    k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible,
+                                    hd ** -0.5)  # [B, Hkv, T * G, D]
+            out = out.reshape(batch, hkv, length, group, hd).transpose(0, 2, 1, 3, 4)
+            return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
 
     x = params["embed"][tokens]
     x, _ = _decoder(params, config, x, positions, attend, None, remat)
     return x
+
+
+def _sees(segments, parents):
+    """segments, parents int32 [B, T] -> bool [B, T, T]: a query of segment s (parent p)
+    sees the keys of s, and of p when p > 0 (causality apart)."""
+    same = segments[:, :, None] == segments[:, None, :]
+    if parents is None:
+        return same
+    return same | ((parents[:, :, None] == segments[:, None, :]) & (parents[:, :, None] > 0))
+
+
+def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
+    """attend() for packed rows over each query tile's visible key blocks only.
+    segments, parents int32 [B, T]; kv_blocks int32 [B, NQ, KM] (-1 = none)."""
+    batch, length = segments.shape
+    nq, km = kv_blocks.shape[1:]
+    hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
+    cols = (jnp.maximum(kv_blocks, 0)[..., None] * KEY_BLOCK
+            + jnp.arange(KEY_BLOCK, dtype=jnp.int32)).reshape(batch, nq * km * KEY_BLOCK)
+    valid = jnp.repeat(kv_blocks >= 0, KEY_BLOCK, axis=-1)  # [B, NQ, KM * KB]
+    k_seg = jnp.take_along_axis(segments, cols, axis=1).reshape(batch, nq, 1, -1)
+    q_cols = jnp.arange(length, dtype=jnp.int32).reshape(1, nq, KEY_BLOCK, 1)
+    q_seg = segments.reshape(batch, nq, KEY_BLOCK, 1)
+    sees = q_seg == k_seg
+    if parents is not None:
+        q_par = parents.reshape(batch, nq, KEY_BLOCK, 1)
+        sees = sees | ((q_par == k_seg) & (q_par > 0))
+    visible = sees & valid[:, :, None, :] & \
+        (cols.reshape(batch, nq, 1, -1) <= q_cols)  # [B, NQ, KB, KM * KB]
+    visible = jnp.repeat(visible, group, axis=2)[:, None]  # [B, 1, NQ, KB * G, KM * KB]
+    blocks = jnp.broadcast_to(jnp.maximum(kv_blocks, 0)[:, None], (batch, hkv, nq, km))
+
+    def attend(_, q, k, v, kv_cache):
+        qg = q.reshape(batch, nq, KEY_BLOCK, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)
+        out = gathered_attention(qg.reshape(batch, hkv, nq, KEY_BLOCK * group, hd),
+                                 k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), blocks,
+                                 visible, hd ** -0.5)  # [B, Hkv, NQ, KB * G, D]
+        out = out.reshape(batch, hkv, nq, KEY_BLOCK, group, hd).transpose(0, 2, 3, 1, 4, 5)
+        return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
+    return attend
 
 
 def forward(params, config: ModelConfig, tokens):

@@ -4,10 +4,17 @@ Sequences are packed first-fit-decreasing into rows of R tokens (several per row
 starting on a multiple of KEY_BLOCK: segment ids keep attention inside a sequence,
 positions restart at 0), rows are grouped into M
 micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
-shape [U, M, B, R], so one compiled step serves every micro-batch. R is a multiple (1-4x,
-at most MAX_ROW unless one sequence needs more) of the longest sequence rounded up to
-KEY_BLOCK, whichever packs tightest; B is as small as the rows need (`rows_bucket`); mini-batches are
-balanced by tokens (`balanced_parts`). So computed / real tokens stays near 1
+shape [U, M, B, R], so one compiled step serves every micro-batch. Samples of a mini-batch
+that share a prompt (a GRPO group) share its whole KEY_BLOCKs (`shared_prefix`): a row holds
+that prefix once, then each sample's rest from a block edge, attending to the prefix through
+`parents` (a sample's keys stay in the blocks, and the order, the sampler reduced them in, so
+its log-probs keep their bits; the prefix's forward and backward run once, not once per
+sample). A group too long for a row is split into units of the prefix + some samples.
+R is a multiple (1-4x, at most MAX_ROW unless one sequence needs more) of the longest
+sequence rounded up to KEY_BLOCK, or a group's prefix + its longest samples, whichever
+costs least (tokens x (1 + R / ATTENTION_WIDTH): attention grows with the row); B is as
+small as the rows need (`rows_bucket`); mini-batches are balanced by tokens
+(`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
 holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
 as much as many steps of padding. With `reserve` (the train step passes prompt +
@@ -26,6 +33,8 @@ from kernels_pallas.blocked import KEY_BLOCK
 ROW_ALIGN = 32  # the scored width K is a multiple of it (few LM-head shapes)
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
 SHAPE_REUSE = 1.5  # a known shape wins while it computes at most this x the tightest shape
+ATTENTION_WIDTH = 4096  # row width at which a token's attention (dense over its row) costs
+# about what its weight matmuls do (SmolLM2-135M: 4 x R x d x layers vs 2 x params flops)
 
 
 @flax.struct.dataclass
@@ -38,11 +47,13 @@ class PackedBatch:
     and advantages are the recorded log-prob, version and advantage of that target; audited
     is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
     another version). scored lists the positions whose log-prob the step needs (weight > 0),
-    so the LM head runs on those only (`scored_columns`).
+    so the LM head runs on those only (`scored_columns`); kv_blocks lists the key blocks
+    each tile of KEY_BLOCK positions sees, so attention skips the rest of the row.
     """
     tokens: jax.Array  # int32
-    positions: jax.Array  # int32, restarting per sequence
-    segments: jax.Array  # int32, 0 = padding, k = k-th sequence of the row
+    positions: jax.Array  # int32, restarting per sequence (continuing after a shared prefix)
+    segments: jax.Array  # int32, 0 = padding, k = k-th sequence (or shared prefix) of the row
+    parents: jax.Array  # int32, the segment of the shared prefix a token also sees, 0 = none
     targets: jax.Array  # int32
     weights: jax.Array  # f32
     behavior: jax.Array  # f32
@@ -50,13 +61,15 @@ class PackedBatch:
     advantages: jax.Array  # f32
     audited: jax.Array  # int32, 1 = sampled and not mixed
     scored: jax.Array  # int32 [U, M, B, K]: each row's columns with weight > 0, then R (pad)
+    kv_blocks: jax.Array  # int32 [U, M, B, R / KEY_BLOCK, KM]: the key blocks each tile of
+    # KEY_BLOCK columns attends to (its prefix's, then its own up to itself), -1 = none
 
     @property
     def computed_tokens(self) -> int:
         return int(np.prod(self.tokens.shape))
 
 
-def _first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def _first_fit(lengths, capacity: int) -> list[list[int]]:
     """Indices of `lengths` packed first-fit decreasing into rows of `capacity`."""
     rows, free = [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -69,6 +82,53 @@ def _first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
             rows.append([i])
             free.append(capacity - lengths[i])
     return rows
+
+
+def shared_prefix(prompt_length: int) -> int:
+    """Tokens of a prompt its samples can share in a row: its whole KEY_BLOCKs before the
+    prompt's last token (that one predicts the first output token, so each sample keeps
+    it)."""
+    return (prompt_length - 1) // KEY_BLOCK * KEY_BLOCK
+
+
+def _units(lengths: np.ndarray, groups, width: int) -> list[tuple[int, tuple[int, ...]]]:
+    """The units a row holds for rows of `width`: (prefix, members). lengths int [N]
+    (aligned); groups: (prefix, member indices) of samples sharing their first `prefix`
+    tokens. A group becomes units of the prefix + as many members as fit (longest first);
+    a unit of one member, and every sample in no group, is (0, (i,)): the whole sequence."""
+    units, grouped = [], set()
+    for prefix, members in groups:
+        chunk, used = [], prefix
+        for i in sorted(map(int, members), key=lambda i: -lengths[i]):
+            if chunk and used + lengths[i] - prefix > width:
+                units.append((prefix if len(chunk) > 1 else 0, tuple(chunk)))
+                chunk, used = [], prefix
+            chunk.append(i)
+            used += lengths[i] - prefix
+        units.append((prefix if len(chunk) > 1 else 0, tuple(chunk)))
+        grouped.update(map(int, members))
+    return units + [(0, (i,)) for i in range(len(lengths)) if i not in grouped]
+
+
+def unit_length(unit, lengths) -> int:
+    """Columns a unit (prefix, members) takes: the prefix once, then each member's rest."""
+    prefix, members = unit
+    return prefix + sum(int(lengths[i]) - prefix for i in members)
+
+
+def _widths(lengths_per_part, groups_per_part, base: int, cap: int) -> set[int]:
+    """Row widths worth trying: 1-4x the longest sequence, and each group's prefix + its
+    longest j samples (j >= 2), within cap."""
+    widths = set(range(base, cap + 1, base)[:4]) or {base}
+    for lengths, groups in zip(lengths_per_part, groups_per_part):
+        for prefix, members in groups:
+            rest = np.cumsum(np.sort(lengths[np.asarray(members)] - prefix)[::-1])
+            widths.update(int(prefix + c) for c in rest[1:] if prefix + c <= cap)
+    return widths
+
+
+def _cost(parts: int, micro: int, per_micro: int, width: int) -> float:
+    return parts * micro * per_micro * width * (1 + width / ATTENTION_WIDTH)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -97,35 +157,48 @@ def balanced_parts(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1,
-         known=()):
-    """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`.
+         known=(), groups_per_part=None):
+    """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`; a row is
+    a list of units (prefix, member indices) (`_units`).
 
     Raises ValueError if one sequence cannot fit the budget. row_multiple: B is a multiple
     of it (a mesh splitting rows). known: (R, M, B) shapes compiled before (a set, or a dict
     keyed by them), preferred (the cheapest that holds the parts) while within SHAPE_REUSE
-    x the tightest cost."""
+    x the tightest cost. groups_per_part: per part, (prefix, member indices) of samples
+    sharing their first `prefix` tokens (a multiple of KEY_BLOCK), or None."""
+    groups_per_part = groups_per_part or [()] * len(lengths_per_part)
     longest = max(int(l.max()) for l in lengths_per_part)
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
                          f"({token_budget} per micro-batch); raise token_budget to at least "
                          f"{_round_up(longest, KEY_BLOCK)}")
+
+    def rows_at(width):
+        rows = []
+        for lengths, groups in zip(lengths_per_part, groups_per_part):
+            units = _units(lengths, groups, width)
+            fit = _first_fit([unit_length(u, lengths) for u in units], width)
+            rows.append([[units[k] for k in row] for row in fit])
+        return rows
+
     best = None
     base = _round_up(longest, KEY_BLOCK)  # sequences take multiples of it (aligned_length)
-    for width in range(base, max(base, min(token_budget, MAX_ROW)) + 1, base)[:4]:
-        rows = [_first_fit(l, width) for l in lengths_per_part]
+    for width in sorted(_widths(lengths_per_part, groups_per_part, base,
+                                max(base, min(token_budget, MAX_ROW)))):
+        rows = rows_at(width)
         most = max(len(r) for r in rows)
         per_micro = max(row_multiple, token_budget // width // row_multiple * row_multiple)
         micro = -(-most // per_micro)
         per_micro = _round_up(rows_bucket(-(-most // micro)), row_multiple)
-        cost = len(rows) * micro * per_micro * width
+        cost = _cost(len(rows), micro, per_micro, width)
         if best is None or cost < best[0]:
             best = (cost, width, micro, per_micro, rows)
     reuse = None
     for width, micro, per_micro in known:
-        cost = len(lengths_per_part) * micro * per_micro * width
+        cost = _cost(len(lengths_per_part), micro, per_micro, width)
         if width < longest or cost > SHAPE_REUSE * best[0] or (reuse and cost >= reuse[0]):
             continue
-        rows = [_first_fit(l, width) for l in lengths_per_part]
+        rows = rows_at(width)
         if max(len(r) for r in rows) <= micro * per_micro:
             reuse = (cost, width, micro, per_micro, rows)
     return (reuse or best)[1:]
@@ -138,55 +211,100 @@ def aligned_length(n: int) -> int:
     return _round_up(n, KEY_BLOCK)
 
 
+def _groups(sequences, prompt_lengths, part: np.ndarray):
+    """(prefix, local indices) of the part's samples sharing a `shared_prefix` (>= 2 each)."""
+    by_prefix: dict = {}
+    for local, i in enumerate(map(int, part)):
+        prefix = shared_prefix(int(prompt_lengths[i]))
+        if prefix:
+            key = (prefix, np.asarray(sequences[i][:prefix], np.int64).tobytes())
+            by_prefix.setdefault(key, []).append(local)
+    return [(prefix, members) for (prefix, _), members in by_prefix.items() if len(members) > 1]
+
+
 def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, audited, *,
          parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
-         known=(), reserve=None) -> PackedBatch:
+         known=(), reserve=None, share_prefixes: bool = True) -> PackedBatch:
     """Packs samples into a PackedBatch.
 
     sequences: per sample int [L_i] (prompt + output); prompt_lengths int [N]; behavior,
     versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
-    mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the K
-    (`scored_columns`) compiled with it. reserve: per sample int [N], the tokens it could
+    mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the
+    (K, KM) pairs (`scored_columns`, kv_blocks' last axis) compiled with it. reserve: per sample int [N], the tokens it could
     have taken (e.g. prompt + max_new_tokens; within the budget): rows and the scored
     width K are planned for those, so the shape follows the prompts and the sampling
     settings, not the lengths the policy happened to sample (a new length is no recompile).
+    share_prefixes: samples of a part with the same `shared_prefix` lay it out once.
     """
     cap = token_budget // KEY_BLOCK * KEY_BLOCK  # a reserve never makes a sample not fit
     planned = [len(s) for s in sequences] if reserve is None else \
         [max(min(int(r), cap), len(s)) for r, s in zip(reserve, sequences)]
     lengths = np.array([aligned_length(n) for n in planned])
+    groups = [_groups(sequences, prompt_lengths, p) if share_prefixes else () for p in parts]
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
-                                         row_multiple, known)
+                                         row_multiple, known, groups)
     shape = (len(parts), micro, per_micro, width)
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)
-           for k in ("tokens", "positions", "segments", "targets", "weights", "behavior",
-                     "versions", "advantages", "audited")}
+           for k in ("tokens", "positions", "segments", "parents", "targets", "weights",
+                     "behavior", "versions", "advantages", "audited")}
+    tiles: dict = {}  # (u, m, b, tile) -> key blocks it sees
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
-        for r, members in enumerate(part_rows):
-            m, b = divmod(r, per_micro)
-            at = 0
-            for k, local in enumerate(members, 1):
-                i = int(part[local])
-                seq, p = np.asarray(sequences[i]), int(prompt_lengths[i])
-                n, o = len(seq), len(seq) - p
-                row = (u, m, b)
-                out["tokens"][row][at:at + n] = seq
-                out["positions"][row][at:at + n] = np.arange(n)
-                out["segments"][row][at:at + n] = k
-                out["targets"][row][at:at + n - 1] = seq[1:]
-                out["advantages"][row][at + p - 1:at + n - 1] = advantages[i]
-                for key, value in (("weights", weights), ("behavior", behavior),
-                                   ("versions", versions), ("audited", audited)):
-                    out[key][row][at + p - 1:at + p - 1 + o] = value[i]
-                at += aligned_length(n)
-    ks = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
+        for r, units in enumerate(part_rows):
+            row = (u, *divmod(r, per_micro))
+            at, segment = 0, 0
+            for prefix, members in units:
+                parent, prefix_blocks = 0, []
+                if prefix:  # laid out once; its targets are never scored
+                    segment += 1
+                    seq = np.asarray(sequences[int(part[members[0]])])
+                    out["tokens"][row][at:at + prefix] = seq[:prefix]
+                    out["positions"][row][at:at + prefix] = np.arange(prefix)
+                    out["segments"][row][at:at + prefix] = segment
+                    out["targets"][row][at:at + prefix] = seq[1:prefix + 1]
+                    prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
+                    parent, at = segment, at + prefix
+                for local in members:
+                    segment += 1
+                    i = int(part[local])
+                    seq, p = np.asarray(sequences[i])[prefix:], int(prompt_lengths[i]) - prefix
+                    n, o = len(seq), len(seq) - p
+                    out["tokens"][row][at:at + n] = seq
+                    out["positions"][row][at:at + n] = prefix + np.arange(n)
+                    out["segments"][row][at:at + n] = segment
+                    out["parents"][row][at:at + n] = parent
+                    out["targets"][row][at:at + n - 1] = seq[1:]
+                    out["advantages"][row][at + p - 1:at + n - 1] = advantages[i]
+                    for key, value in (("weights", weights), ("behavior", behavior),
+                                       ("versions", versions), ("audited", audited)):
+                        out[key][row][at + p - 1:at + p - 1 + o] = value[i]
+                    _tile_blocks(tiles, row, at, n, prefix_blocks)
+                    at += aligned_length(n)
+    seen = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
     most = 0 if reserve is None else max(  # the planned rows' output tokens
-        sum(planned[i] - int(prompt_lengths[i]) for i in map(int, part[members]))
-        for part, part_rows in zip(parts, rows) for members in part_rows)
-    out["scored"] = scored_columns(out["weights"], ks, at_least=most)
+        sum(planned[i] - int(prompt_lengths[i]) for _, members in units
+            for i in map(int, part[list(members)]))
+        for part, part_rows in zip(parts, rows) for units in part_rows)
+    out["scored"] = scored_columns(out["weights"], {k for k, _ in seen}, at_least=most)
+    # a tile sees at most its sequence's blocks (prefix included): planned for the longest
+    need = max(int(lengths.max()) // KEY_BLOCK, max(map(len, tiles.values()), default=1))
+    km = min([c for _, c in seen if c >= need] or [need])
+    out["kv_blocks"] = np.full((*shape[:3], width // KEY_BLOCK, km), -1, np.int32)
+    for (*row, tile), blocks in tiles.items():
+        out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
+
+
+def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) -> list[int]:
+    """Records the key blocks of each tile of a sequence of n tokens at column `at` (a
+    block edge): `before` (its prefix's blocks), then its own up to the tile. Returns all
+    of its blocks."""
+    first = at // KEY_BLOCK
+    own = list(range(first, first + -(-n // KEY_BLOCK)))
+    for j, block in enumerate(own):
+        tiles[(*row, block)] = before + own[:j + 1]
+    return before + own
 
 
 def scored_columns(weights: np.ndarray, known=(), at_least: int = 0) -> np.ndarray:

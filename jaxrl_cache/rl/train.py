@@ -173,10 +173,11 @@ def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: 
     """Log-probs [B, R] of each scored position's target, 0 elsewhere (clamped at -1e4: a
     token outside a new top-k/top-p set gets ratio ~0, not NaN); entropy: (log-probs,
     entropies [B, R] of the warped distribution, no gradient)."""
-    out = token_log_probs(_compute_params(_model(params, frozen), cfg), config, mb.tokens, mb.targets, knobs,
-                          kind=kind, positions=mb.positions, segments=mb.segments,
-                          remat=cfg.remat, chunk=cfg.logprob_chunk, scored=mb.scored,
-                          entropy=entropy)
+    out = token_log_probs(_compute_params(_model(params, frozen), cfg), config, mb.tokens,
+                          mb.targets, knobs, kind=kind, positions=mb.positions,
+                          segments=mb.segments, parents=mb.parents,
+                          kv_blocks=mb.kv_blocks, remat=cfg.remat,
+                          chunk=cfg.logprob_chunk, scored=mb.scored, entropy=entropy)
     return (jnp.maximum(out[0], -1e4), out[1]) if entropy else jnp.maximum(out, -1e4)
 
 
