@@ -255,7 +255,7 @@ def _growth(rows: list[dict], budget: int, key: str) -> float | None:
     """Least-squares GiB of `key` per extra 1k tokens over points with >= budget tokens."""
     big = [r for r in rows if r["tokens"] >= budget and r.get(key) is not None
            and (r["steps"] or key != "peak_rss_gib")]
-    if len(big) < 2:
+    if len({r["tokens"] for r in big}) < 2:  # a slope needs two sizes
         return None
     x = np.array([r["tokens"] / 1000 for r in big])
     y = np.array([r[key] for r in big])
