@@ -519,13 +519,14 @@ def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
 def test_the_kv_pool_is_sized_from_the_job(monkeypatch):
     """Without --kv-pages the pool holds every sample of the largest call at its longest
     (8 prompts x 8 samples x 128-token rows: 1,025 pages, past the old fixed 512), never
-    less than 512 pages, and within half the available memory (then at least one sample);
+    less than MIN_KV_PAGES, and within half the available memory (then at least one sample);
     --kv-pages wins."""
     config = demo.builtin_model_config(char_tokenizer().vocab_size)
     job = demo.DemoOptions(prompts_per_step=8, rollout_calls=1, group_size=8, eval_prompts=4)
     monkeypatch.setattr(demo, "available_bytes", lambda: 2**40)
     assert demo._job_kv_pages(job, config, 129) == 8 * 8 * 16 + 1
-    assert demo._job_kv_pages(demo.DemoOptions(), config, 12) == demo.MIN_KV_PAGES
+    tiny = demo.DemoOptions(prompts_per_step=1, rollout_calls=1, group_size=2, eval_prompts=1)
+    assert demo._job_kv_pages(tiny, config, 12) == demo.MIN_KV_PAGES
     eval_heavy = demo.DemoOptions(eval_prompts=200)
     assert demo._job_kv_pages(eval_heavy, config, 129) == 200 * 16 + 1
     page = demo._pool_bytes(config, 1)

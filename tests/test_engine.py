@@ -349,6 +349,28 @@ def test_compiles_once_per_shape_bucket(monkeypatch):
             real_decode._cache_size() - sizes[1]) == compiled
 
 
+def test_a_new_version_without_prefix_hits_reuses_the_first_prefill_shape():
+    """The first call of a version whose prompts hit the cache (the demo's eval before step
+    0 cached the chat template's system prompt) compiles its prefill for the prompts whole,
+    so the next version's call (no hits: its KV is new) compiles no prefill (the 8 x 8 x 128
+    CLI run compiled one at its second step); its samples are a fresh engine's."""
+    params, sp = varied_params(1), SamplingParams(n=2, max_new_tokens=4, temperature=1.0)
+    system = list(range(1, PS + 1))  # one page; tails of 60 tokens in all: with the
+    prompts = [system + [30 + i] * n for i, n in enumerate((14, 15, 15, 16))]  # system
+    # cached a call computes under 64 tokens, without it 68 (another power of two)
+    engine = make_engine()
+    engine.rollout(params, 0, prompts[:1], sp, rng=jax.random.key(0))  # caches the system
+    hit = engine.rollout(params, 0, prompts, sp, rng=jax.random.key(1))
+    size = rollout_core.prefill_step._cache_size()
+    miss = engine.rollout(params, 1, prompts, sp, rng=jax.random.key(2))
+    assert hit.prefill_tokens <= 64 < miss.prefill_tokens
+    assert rollout_core.prefill_step._cache_size() == size
+    alone = make_engine().rollout(params, 1, prompts, sp, rng=jax.random.key(2))
+    for a, b in zip(miss.samples, alone.samples):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+
+
 def test_prompts_sharing_more_pages_reuse_the_compiled_shared_width():
     """A call whose prompts share more leading pages than an earlier call's sends the shared
     page count compiled before (the rest stay in each row's table): no new decode program,

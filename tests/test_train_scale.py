@@ -363,9 +363,8 @@ def test_decoupled_proximal_is_the_params_before_the_first_update():
 
 def test_padding_waste_on_a_grpo_batch():
     """64 samples, prompts of 20-80 tokens, outputs uniform in 1..256: computed / real
-    tokens <= 1.15 at the default budget (1 or 4 mini-batches), a quarter of the batch, and a
-    budget above the batch (the planner may take a few % of padding for narrower rows:
-    attention grows with the row). (A mini-batch just over the budget is the worst case: two
+    tokens <= 1.1 at the default budget (1 or 4 mini-batches), a quarter of the batch, and a
+    budget above the batch. (A mini-batch just over the budget is the worst case: two
     micro-batches of half a budget each, up to ~1.35 here.)"""
     rng = np.random.default_rng(0)
     prompts = np.repeat(rng.integers(20, 81, 8), 8)
@@ -377,7 +376,7 @@ def test_padding_waste_on_a_grpo_batch():
             width, micro, per_micro, _ = plan(split, budget)
             assert per_micro * width <= max(budget, width)
             ratio = parts * micro * per_micro * width / lengths.sum()
-            assert ratio <= 1.15, (budget, parts, ratio)
+            assert ratio <= 1.1, (budget, parts, ratio)
     with pytest.raises(ValueError, match="a sample of 300 tokens exceeds the token budget "
                                          r"\(256 per micro-batch\); raise token_budget"):
         plan([np.array([300, 20])], 256)

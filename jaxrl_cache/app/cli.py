@@ -234,7 +234,7 @@ def _trainer_arguments(add, d) -> None:
 def _engine_arguments(add, d) -> None:
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
         help="KV pool size in pages of 8 tokens [sized from the job: every sample of a "
-             "rollout call (or the eval) at its longest, at least 512 pages, at most half "
+             "rollout call (or the eval) at its longest, at least 64 pages, at most half "
              "the available memory]")
     add("--chunk-steps", type=_positive_int, default=d.chunk_steps,
         help="decode steps per on-device chunk; with --async, weight updates land between "

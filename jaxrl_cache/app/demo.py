@@ -66,7 +66,8 @@ from jaxrl_cache.rollout.scheduler import pages_for
 from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
 
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
-MIN_KV_PAGES = 512  # the smallest pool --kv-pages picks when not given (cached prefixes)
+MIN_KV_PAGES = 64  # the smallest pool --kv-pages picks when not given (a synchronous step
+# syncs a new version, so no prefix outlives it; 512 held 0.15 GiB of idle pages on SmolLM2)
 HOST_BYTES_PER_TOKEN = 256  # rough host memory per token of a step's samples (token tuples,
 #                             log-probs, versions, masks, the packed batch)
 MAX_TURNS = 3  # --env calculator: a tool call, the answer, one spare

@@ -12,8 +12,8 @@ its log-probs keep their bits; the prefix's forward and backward run once, not o
 sample). A group too long for a row is split into units of the prefix + some samples.
 R is a multiple (1-4x, at most MAX_ROW unless one sequence needs more) of the longest
 sequence rounded up to KEY_BLOCK, or a group's prefix + its longest samples, whichever
-costs least (tokens x (1 + R / ATTENTION_WIDTH): attention grows with the row); B is as
-small as the rows need (`rows_bucket`); mini-batches are balanced by tokens
+computes fewest tokens (attention runs on the key blocks a tile sees, `kv_blocks`, not on
+the row); B is as small as the rows need (`rows_bucket`); mini-batches are balanced by tokens
 (`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
 holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
@@ -33,8 +33,6 @@ from kernels_pallas.blocked import KEY_BLOCK
 ROW_ALIGN = 32  # the scored width K is a multiple of it (few LM-head shapes)
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
 SHAPE_REUSE = 1.5  # a known shape wins while it computes at most this x the tightest shape
-ATTENTION_WIDTH = 4096  # row width at which a token's attention (dense over its row) costs
-# about what its weight matmuls do (SmolLM2-135M: 4 x R x d x layers vs 2 x params flops)
 
 
 @flax.struct.dataclass
@@ -127,8 +125,10 @@ def _widths(lengths_per_part, groups_per_part, base: int, cap: int) -> set[int]:
     return widths
 
 
-def _cost(parts: int, micro: int, per_micro: int, width: int) -> float:
-    return parts * micro * per_micro * width * (1 + width / ATTENTION_WIDTH)
+def _cost(parts: int, micro: int, per_micro: int, width: int) -> int:
+    """Computed tokens (attention runs on each tile's visible blocks, `kv_blocks`, so a
+    token's cost does not grow with its row)."""
+    return parts * micro * per_micro * width
 
 
 def _round_up(n: int, k: int) -> int:
@@ -311,13 +311,14 @@ def scored_columns(weights: np.ndarray, known=(), at_least: int = 0) -> np.ndarr
     """weights f32 [..., R] -> int32 [..., K]: each row's columns with weight > 0 in order,
     padded with R. K: the smallest of `known` (K compiled before with this shape) that holds
     the most any row has (or `at_least`, a planned bound), else that count rounded up to a
-    multiple of max(ROW_ALIGN, R / 4) (at most four shapes per row length), at most R. A
-    known K costs no compile; only the LM head computes its padding columns."""
+    multiple of max(ROW_ALIGN, R / 4) (at most four shapes per row length; ROW_ALIGN alone
+    when planned: the bound does not move with the sampled lengths), at most R. A known K
+    costs no compile; only the LM head computes its padding columns."""
     width = weights.shape[-1]
     keep = weights > 0
     most = min(width, max(int(keep.sum(-1).max(initial=0)), at_least))
-    k = min([c for c in known if c >= most] or
-            [min(width, max(1, _round_up(most, max(ROW_ALIGN, width // 4))))])
+    step = ROW_ALIGN if at_least else max(ROW_ALIGN, width // 4)
+    k = min([c for c in known if c >= most] or [min(width, max(1, _round_up(most, step)))])
     # stable sort puts each row's kept columns first, in order; the rest become R
     order = np.argsort(~keep, axis=-1, kind="stable")[..., :k]
     return np.where(np.take_along_axis(keep, order, -1), order, width).astype(np.int32)

@@ -212,8 +212,11 @@ class Runner:
         run.fresh_logits, are kept)."""
         cfg = self.scheduler_config
         total = sum(u.new_tokens for u, _ in units)
+        whole = min(sum(len(u.prompt) for u, _ in units), 2 * total,
+                    max(total, cfg.max_prefill_tokens))
         tokens, seqs = self._prefill_shape(max(16, next_power_of_2(total)),
-                                           next_power_of_2(len(units)), run.width)
+                                           next_power_of_2(len(units)), run.width,
+                                           max(16, next_power_of_2(whole)))
         arrays = pack_prefill(units, tokens, seqs, run.width, cfg.max_num_seqs, run.ps)
         logits, self.kv = core.prefill_step(
             params, self._pool(), *dataclasses.astuple(arrays),
@@ -224,14 +227,18 @@ class Runner:
             logits = jnp.where(earlier, run.fresh_logits, logits)
         return logits, total
 
-    def _prefill_shape(self, tokens: int, seqs: int, width: int) -> tuple[int, int]:
+    def _prefill_shape(self, tokens: int, seqs: int, width: int,
+                       whole: int) -> tuple[int, int]:
         """(tokens, seqs) of the packed prefill: the smallest shape prefilled before at this
-        width that holds this one with at most PREFILL_PAD x its tokens, else this one. A
-        round whose radix hits or admission split give a smaller prefill than an earlier
-        round then compiles nothing (padding tokens are position -1: no output changes)."""
+        width that holds this one with at most PREFILL_PAD x its tokens, else a new one of
+        `whole` tokens (room for the units' prompts without their cache hits, up to twice
+        the tokens: the same prompt lengths a version later, when the prefixes the cache
+        served are new KV, then fit it). A round whose radix hits or admission split give a smaller
+        prefill than an earlier round then compiles nothing (padding tokens are position
+        -1: no output changes)."""
         seen = self.prefill_shapes.setdefault(width, set())
         fits = [(t, s) for t, s in seen if tokens <= t <= PREFILL_PAD * tokens and seqs <= s]
-        shape = min(fits) if fits else (tokens, seqs)
+        shape = min(fits) if fits else (max(tokens, whole), seqs)
         seen.add(shape)
         return shape
 
