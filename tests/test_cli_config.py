@@ -208,3 +208,24 @@ def test_resume_keeps_the_run_settings_and_takes_the_resumable_ones(tmp_path):
     assert (opts.sft_batch, opts.prompts_per_step, opts.lr) == (4, 4, 0.01)  # the run's
     opts, *_ = demo._prepare(DemoOptions(out=str(out), resume=True), given={"out", "resume"})
     assert (opts.eval_every, opts.checkpoint_every, opts.steps) == (5, 2, 120)
+
+
+def test_the_cli_caps_glibc_malloc_arenas(monkeypatch):
+    """mallopt(M_ARENA_MAX, MALLOC_ARENAS) unless the user set MALLOC_ARENA_MAX (then glibc
+    already follows it); a libc without mallopt is left alone."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, option, value):
+            calls.append((option.value, value.value))
+
+    monkeypatch.setattr(cli.ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    cli.limit_malloc_arenas()
+    assert calls == [(-8, cli.MALLOC_ARENAS)]
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    cli.limit_malloc_arenas()
+    assert len(calls) == 1
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setattr(cli.ctypes, "CDLL", lambda name: object())  # no mallopt
+    cli.limit_malloc_arenas()

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -359,6 +361,25 @@ def _bench(args) -> int:
     _print_table(rows, f"jaxrl-cache bench ({time.perf_counter() - t0:.0f} s, "
                        f"{data['machine_info'].get('cpu', {}).get('brand_raw', 'cpu')})")
     return code
+
+
+MALLOC_ARENAS = 2  # glibc malloc arenas for the CLI's process: with one per XLA worker
+# thread, freed step buffers stayed resident (SmolLM2 GRPO at 2 x 8 x 24: peak RSS 4.03 ->
+# 3.69 GiB with 2; benchmarks/results/e2e-vs-peers-cpu-2026-12-04b.md)
+
+
+def limit_malloc_arenas() -> None:
+    """Caps glibc's malloc arenas (mallopt M_ARENA_MAX) unless MALLOC_ARENA_MAX is set;
+    nothing off glibc."""
+    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(ctypes.c_int(-8), ctypes.c_int(MALLOC_ARENAS))
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+limit_malloc_arenas()  # before XLA's worker threads start (importing jax starts none)
 
 
 def main(argv=None) -> int:
