@@ -191,6 +191,19 @@ def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
                 assert int(segs[b, tile * 16]) in seen
 
 
+def test_kv_blocks_need_packed_rows():
+    """kv_blocks without segments, or on a row that is not whole key blocks: one clear
+    error, not a reshape failure inside the layer scan."""
+    from jaxrl_cache.models.llama import hidden_states
+    params, tokens = varied_params(0), jnp.ones((1, 32), jnp.int32)
+    blocks = jnp.zeros((1, 2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="kv_blocks needs segments"):
+        hidden_states(params, CONFIG, tokens, kv_blocks=blocks)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hidden_states(params, CONFIG, tokens[:, :20], segments=tokens[:, :20],
+                      kv_blocks=blocks)
+
+
 def test_shared_prefix_plans():
     """shared_prefix keeps the prompt's last token with each sample; a group longer than a
     row splits into units, each with its own copy of the prefix; GRPO groups of long prompts

@@ -193,6 +193,9 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
     if kv_blocks is not None:
+        if segments is None or length % KEY_BLOCK:
+            raise ValueError(f"kv_blocks needs segments and a row length that is a multiple "
+                             f"of {KEY_BLOCK} (packed rows), got length {length}")
         attend = _gathered_attend(config, segments, parents, kv_blocks)
     else:
         mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
