@@ -493,6 +493,28 @@ def test_non_finite_params_are_refused_at_sync():
     assert engine._weights.params is None and engine.version == 0
 
 
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_weight_check_matches_numpy(dtype):
+    """The sync's one-pass check (finite, two bit sums per leaf) against numpy's arithmetic
+    mod 2**32; a NaN or Inf anywhere in a float leaf makes it not finite."""
+    from jaxrl_cache.rollout.engine import _checked
+    rng = np.random.default_rng(0)
+    leaves = [rng.normal(size=(37, 5)) * 100, rng.normal(size=(3,)) * 100]
+    tree = {"a": jnp.asarray(leaves[0], dtype), "b": jnp.asarray(leaves[1], dtype)}
+    finite, fingerprint = _checked(tree)
+    want = []
+    for x in jax.tree.leaves(tree):
+        host = np.asarray(x)
+        bits = host.view(f"uint{host.itemsize * 8}").reshape(-1).astype(np.uint64)
+        index = np.arange(bits.size, dtype=np.uint64)
+        weight = (index * 2654435761 + 1) % 2**32
+        want += [int(bits.sum() % 2**32), int((bits * weight % 2**32).sum() % 2**32)]
+    assert bool(finite) and np.asarray(fingerprint).tolist() == want
+    if dtype != jnp.int32:
+        for bad in (jnp.nan, jnp.inf, -jnp.inf):
+            assert not bool(_checked({**tree, "a": tree["a"].at[36, 4].set(bad)})[0])
+
 class TestWeakInput:
     """Typed errors naming the argument, raised before any work, engine unchanged."""
 

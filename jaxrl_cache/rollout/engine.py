@@ -92,28 +92,41 @@ def _same_leaves(tree, leaves) -> bool:
     return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
 
 
-def _finite(params):
-    """bool []: every value of every leaf is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+_GOLDEN = 2654435761  # the position weight's multiplier (Knuth's multiplicative hash)
 
 
-def _fingerprint(params):
-    """uint32 [2 * leaves]: two position-weighted sums (mod 2**32) of each leaf's bits. Equal
-    weights give equal fingerprints; an edited weight changes them (not a defence against an
-    adversary: a guard against another param tree under a synced version)."""
-    sums = []
-    for x in jax.tree.leaves(params):
-        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
-        bits = bits.reshape(-1).astype(jnp.uint32)
-        index = jnp.arange(bits.shape[0], dtype=jnp.uint32)
-        sums += [jnp.sum(bits), jnp.sum(bits * (index * jnp.uint32(2654435761) + 1))]
-    return jnp.stack(sums)
+def _leaf_check(x):
+    """(every value of x finite, sum of x's bits, position-weighted sum of its bits), the
+    sums mod 2**32, in ONE variadic reduce: XLA fuses the bit casts, the position iota and
+    the product into it, so the pass over the leaf allocates nothing (three separate
+    reductions materialised [N] temporaries: +1 GiB and 0.43 s on SmolLM2)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    bits = bits.reshape(-1).astype(jnp.uint32)
+    index = jax.lax.iota(jnp.uint32, bits.shape[0])
+    weighted = bits * (index * jnp.uint32(_GOLDEN) + 1)
+    bad = jnp.logical_not(jnp.isfinite(x.reshape(-1))).astype(jnp.uint32)
+    zero = jnp.uint32(0)
+    bad, total, weighted = jax.lax.reduce(
+        (bad, bits, weighted), (zero, zero, zero),
+        lambda a, b: (a[0] | b[0], a[1] + b[1], a[2] + b[2]), (0,))
+    return bad == 0, total, weighted
+
+
+def _check_leaves(params):
+    """(bool []: every value of every leaf is finite, uint32 [2 * leaves]: two
+    position-weighted sums (mod 2**32) of each leaf's bits). Equal weights give equal
+    fingerprints; an edited weight changes them (not a defence against an adversary: a
+    guard against another param tree under a synced version)."""
+    checks = [_leaf_check(x) for x in jax.tree.leaves(params)]
+    finite = jnp.all(jnp.stack([c[0] for c in checks])) if checks else jnp.bool_(True)
+    sums = [s for c in checks for s in c[1:]]
+    return finite, jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
 
 
 @jax.jit
 def _checked(params):
     """(every value finite, fingerprint): one pass over the weights."""
-    return _finite(params), _fingerprint(params)
+    return _check_leaves(params)
 
 
 @jax.jit
@@ -121,7 +134,7 @@ def _resident_copy(params):
     """(fresh copies of params, whether every value is finite, fingerprint): one program,
     one pass over the weights. Fresh buffers: the caller may donate or mutate its own arrays
     afterwards."""
-    return jax.tree.map(jnp.copy, params), _finite(params), _fingerprint(params)
+    return (jax.tree.map(jnp.copy, params), *_check_leaves(params))
 
 
 def _buffers(x) -> set:
