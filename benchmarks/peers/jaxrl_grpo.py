@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
@@ -71,7 +72,11 @@ def main() -> None:
             "--warmup-steps", "0", "--seed", str(common.SEED), "--eval-prompts", "2",
             "--checkpoint-every", str(args.steps + 1), "--out", out, *demo_flags]
     print("jaxrl-cache " + " ".join(argv), file=sys.stderr, flush=True)
-    sys.exit(cli.main(argv))
+    try:
+        code = cli.main(argv)
+    finally:  # the run directory (checkpoints, export: ~2.3 GB on SmolLM2) is not kept
+        shutil.rmtree(out, ignore_errors=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
