@@ -184,3 +184,58 @@ def test_grpo_step_audits_older_versions_separately(monkeypatch):
     r = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
                   history=_history(0, 1), audit_samples=2).record
     assert r["audited_samples"] == 6
+
+
+def _noisy(batch, by: float):
+    """The batch with every recorded log-prob moved by `by`: a sampler that is not exact
+    (a GPU's, whose log-probs sit ~1e-4 off the trainer's)."""
+    return dataclasses.replace(batch, episodes=[
+        dataclasses.replace(e, logprobs=e.logprobs + np.float32(by)) for e in batch.episodes])
+
+
+class InexactRollouts(FixedRollouts):
+    """FixedRollouts of an engine `tolerance_for` calls inexact (a GPU, a mesh)."""
+    audit_tolerance, audit_floor = audit.CALIBRATED_TOLERANCE, None
+
+
+def test_tolerance_for_a_gpu_engine_is_calibrated():
+    """Exactness rests on XLA:CPU's dots: an engine on a GPU device (xla or interpret
+    backend, one device, a head size the CPU probe passes) is audited at the calibrated
+    tolerance, the same engine on a CPU device compares bits."""
+    import types
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=16, page_size=4))
+    assert audit.tolerance_for(engine) == 0.0 and audit.exact_platform(engine)
+    gpu = types.SimpleNamespace(device=types.SimpleNamespace(platform="gpu"), mesh=None,
+                                backend="xla", model_config=CONFIG)
+    assert not audit.exact_platform(gpu)
+    assert audit.tolerance_for(gpu) == audit.CALIBRATED_TOLERANCE
+
+
+def test_an_inexact_run_calibrates_its_tolerance_at_the_first_step():
+    """The first step of an inexact run gates at the ceiling and measures the floor (its
+    samples cannot be stale); later steps gate at 10x that floor: noise under it passes, a
+    stale-sized error over it refuses the update. A first step off by more than the ceiling
+    is no rounding noise: refused. An exact run stays at 0 with no floor."""
+    batch = tasks(seed=11)
+    rollouts = InexactRollouts([("m", _noisy(batch, 2e-4))])
+    r = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert r["audit_tolerance"] == audit.CALIBRATION_CEILING
+    assert r["audit_floor"] == pytest.approx(2e-4, rel=0.05) == rollouts.audit_floor
+    assert rollouts.audit_tolerance == pytest.approx(2e-3, rel=0.05)
+
+    rollouts.parts = [("m", _noisy(batch, 1.5e-3))]
+    r = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert r["audit_tolerance"] == rollouts.audit_tolerance and r["audit_failed"] == 0
+    rollouts.parts = [("m", _noisy(batch, 5e-3))]
+    with pytest.raises(RuntimeError, match="flagged samples"):
+        grpo_step(2, _state(), rollouts, None, decode=str, history=_history(0))
+
+    with pytest.raises(RuntimeError, match="flagged samples"):
+        grpo_step(0, _state(), InexactRollouts([("m", _noisy(batch, 0.1))]), None,
+                  decode=str, history=_history(0))
+    quiet = InexactRollouts([("m", batch)])  # a floor of 0 keeps the minimum
+    grpo_step(0, _state(), quiet, None, decode=str, history=_history(0))
+    assert quiet.audit_floor == 0.0 and quiet.audit_tolerance == audit.CALIBRATED_TOLERANCE
+    r = grpo_step(0, _state(), FixedRollouts([("m", batch)]), None, decode=str,
+                  history=_history(0)).record
+    assert r["audit_tolerance"] == 0.0 and r["audit_floor"] is None

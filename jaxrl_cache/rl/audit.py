@@ -28,23 +28,46 @@ from kernels_pallas.blocked import batch_invariant
 
 AUDIT_TOLERANCE = 0.0  # exact numerics: a token whose bits differ is flagged
 # Where the sampler does not compute the trainer's bits (a tensor-parallel engine: its
-# shard partial sums are added in another order; compiled GPU kernels until
-# benchmarks/gpu_check.py shows otherwise): ~10x the noise floor measured between the two
-# (3-4e-5 on SmolLM2-135M fp32, 2026-12), and blind to updates that move a log-prob less.
+# shard partial sums are added in another order; a GPU: XLA:GPU's dots and the compiled
+# kernels change their bits with the row count, benchmarks/results/gpu-check-h200-*): the
+# starting tolerance, ~10x the noise floor measured between the two on XLA:CPU (3-4e-5 on
+# SmolLM2-135M fp32, 2026-12), blind to updates that move a log-prob less. A GRPO run
+# raises it to CALIBRATION_MARGIN x the floor its first step measures (`calibrated`).
 CALIBRATED_TOLERANCE = 5e-4
+CALIBRATION_MARGIN = 10.0
+# A run's first step has no stale KV to find (its engine has served only that version), so
+# it gates at this ceiling while it measures the floor: a sampler/trainer disagreement above
+# it is no rounding noise (a wrong temperature, a broken kernel) and refuses the update.
+CALIBRATION_CEILING = 0.05
+
+
+def exact_platform(engine) -> bool:
+    """Whether `engine` computes on the platform whose dots keep the blocked order's bits
+    whatever the row count: XLA:CPU. XLA:GPU's do not (the H200 check: 1023-1024 of 1024
+    log-probs differ, max 4.5e-4)."""
+    device = getattr(engine, "device", None)
+    return getattr(device, "platform", "cpu") == "cpu"
 
 
 def tolerance_for(engine) -> float:
     """The audit tolerance for samples of `engine`: AUDIT_TOLERANCE (0) when it computes
-    the trainer's bits (one device, the xla or interpret backend, a head size whose dots
+    the trainer's bits (one CPU device, the xla or interpret backend, a head size whose dots
     keep the blocked order: `kernels_pallas.blocked.batch_invariant`), CALIBRATED_TOLERANCE
-    otherwise (a mesh, the compiled pallas kernels, head_dim 32 on XLA:CPU)."""
-    exact = getattr(engine, "mesh", None) is None and getattr(engine, "backend", "xla") in (
-        "xla", "interpret")
+    otherwise (a mesh, a GPU, the compiled pallas kernels, head_dim 32 on XLA:CPU)."""
+    exact = (getattr(engine, "mesh", None) is None and exact_platform(engine)
+             and getattr(engine, "backend", "xla") in ("xla", "interpret"))
     config = getattr(engine, "model_config", None)
     if exact and config is not None:  # the dots keep the order at this head size (probe)
         exact = batch_invariant(config.head_dim, config.dtype)
     return AUDIT_TOLERANCE if exact else CALIBRATED_TOLERANCE
+
+
+def calibrated(floor: float) -> float:
+    """The tolerance of a non-exact run whose first step measured `floor` (the largest
+    |sampler - trainer| log-prob of tokens that cannot be stale): CALIBRATION_MARGIN x floor,
+    at least CALIBRATED_TOLERANCE, at most CALIBRATION_CEILING."""
+    return float(min(max(CALIBRATION_MARGIN * floor, CALIBRATED_TOLERANCE),
+                     CALIBRATION_CEILING))
 
 
 AUDIT_MAXED = ("audit_diff_max",)  # step_audit_sums keys reduced by max over micro-batches
@@ -209,6 +232,7 @@ class StepAuditCounts:
     flagged: int
     checked_tokens: int  # by the separate pass (the step adds its own)
     mixed_tokens: int
+    max_abs_diff: float  # over the separate pass's checked tokens
 
 
 def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
@@ -221,6 +245,7 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
     step still checks every token of its version. Raises RuntimeError naming the samples
     when one is flagged (nothing is trained)."""
     audited = flagged = checked = mixed = 0
+    worst = 0.0
     for batch in batches:
         if audit_samples is None:
             subset = batch
@@ -234,10 +259,11 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
         flagged += len(report.flagged)
         checked += report.num_checked_tokens
         mixed += report.num_mixed_tokens
+        worst = max(worst, report.max_abs_diff)
         refuse(step, batch, report)
         if in_step and audit_samples is not None:  # past the subset: checked in the step
             audited += _checked_in_step(batch.samples[audit_samples:], version)
-    return StepAuditCounts(audited, flagged, checked, mixed)
+    return StepAuditCounts(audited, flagged, checked, mixed, worst)
 
 
 def name_misattributed(step: int, batches: list, params_by_version: Mapping,

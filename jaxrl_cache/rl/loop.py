@@ -28,8 +28,8 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.rl.audit import (audit_step_calls, audited_in_step, name_misattributed,
-                                  tolerance_for)
+from jaxrl_cache.rl.audit import (CALIBRATION_CEILING, audit_step_calls, audited_in_step,
+                                  calibrated, name_misattributed, tolerance_for)
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
 from jaxrl_cache.rl.rewards import Rewards
@@ -50,7 +50,9 @@ class Rollouts(Protocol):
 
     def close(self) -> dict: ...
 
-    audit_tolerance: float  # rl.audit.tolerance_for(the engine): 0 when its bits are exact
+    audit_tolerance: float  # rl.audit.tolerance_for(the engine): 0 when its bits are exact;
+    #                         otherwise grpo_step calibrates it at the first step
+    audit_floor: float | None  # that step's measured sampler/trainer floor (None: not yet)
 
 
 class SyncRollouts:
@@ -66,7 +68,7 @@ class SyncRollouts:
                  episodes: dict | None = None):
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
         self.calls, self.key, self.episodes = calls, key, episodes
-        self.audit_tolerance = tolerance_for(engine)
+        self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
 
     def get(self, step: int, state: TrainState):
         out = []
@@ -101,7 +103,7 @@ class AsyncRollouts:
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
                  stop_timeout: float = 120.0, episodes: dict | None = None):
         self.calls, self.stop_timeout = calls, stop_timeout
-        self.audit_tolerance = tolerance_for(engine)
+        self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
@@ -208,6 +210,9 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     t2 = time.perf_counter()
     batches = [b for _, b in parts]
     in_step, tolerance = audited_in_step(train), getattr(rollouts, "audit_tolerance", 0.0)
+    calibrating = tolerance > 0 and getattr(rollouts, "audit_floor", None) is None
+    if calibrating:  # no stale KV yet: gate at the ceiling, measure the floor (below)
+        tolerance = CALIBRATION_CEILING
     counts = audit_step_calls(step, batches, history.params, state.config, version=version,
                               in_step=in_step, tolerance=tolerance, audit_samples=audit_samples)
     t3 = time.perf_counter()
@@ -221,11 +226,16 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         name_misattributed(step, batches, history.params, state.config, tolerance)
         raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
+    if calibrating:
+        floor = max(counts.max_abs_diff,
+                    float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
+        rollouts.audit_floor, rollouts.audit_tolerance = floor, calibrated(floor)
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.model_params)
     record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
+    record.update(audit_floor=getattr(rollouts, "audit_floor", None))
     record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
     record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
                   train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
