@@ -214,9 +214,10 @@ def _trainer_arguments(add, d) -> None:
     add("--kl-beta", type=_natural_float, default=d.kl_beta,
         help="weight of a k3 KL penalty to the policy GRPO started from (kept in memory "
              "beside the trained one); 0: none [%(default)s]")
-    add("--remat", choices=["full", "dots", "none"], default=d.remat,
-        help="rematerialisation of the layer scan in the train step (memory vs time) "
-             "[%(default)s]")
+    add("--remat", choices=["auto", "full", "dots", "none"], default=d.remat,
+        help="rematerialisation of the layer scan in the train step (memory vs time); "
+             "auto: dots for micro-batches of 2048+ tokens when that fits half the memory, "
+             "else full [%(default)s]")
     add("--compute-dtype", choices=["float32", "bfloat16"], default=d.compute_dtype,
         help="train-step compute dtype (params and optimizer state stay fp32) "
              "[%(default)s]")

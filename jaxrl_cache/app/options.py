@@ -74,7 +74,7 @@ class DemoOptions:
     dual_clip: float | None = None
     is_cap: float = 2.0  # decoupled correction's importance-weight cap
     kl_beta: float = 0.0  # > 0: k3 KL to the policy GRPO started from
-    remat: str = "full"
+    remat: str = "auto"
     compute_dtype: str = "float32"
     logprob_chunk: int = 128
     correction: str = "none"  # train_step's off-policy correction ("none": PPO-clip

@@ -46,7 +46,7 @@ from jaxrl_cache.rl.audit import AUDIT_MAXED, step_audit_sums
 from jaxrl_cache.rl.batch import TrainBatch, pack_batch
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
 from jaxrl_cache.rl.loss import MAXED, policy_loss
-from jaxrl_cache.rl.memory import check_memory
+from jaxrl_cache.rl.memory import check_memory, resolve_remat
 from jaxrl_cache.rl.packing import PackedBatch
 from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -377,7 +377,9 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
-    check_memory(state.config, cfg, packed.tokens.shape[-1], lora=state.lora)
+    rows, length = packed.tokens.shape[-2:]  # of a micro-batch, split over `ways` devices
+    cfg = resolve_remat(state.config, cfg, rows * length // ways, length, lora=state.lora)
+    check_memory(state.config, cfg, length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     layout = None
     if mesh is not None:

@@ -11,7 +11,7 @@ from jaxrl_cache.versioning import MAX_VERSION
 CORRECTIONS = ("none", "decoupled")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # TRL's names (see TrainConfig.loss_type)
 COMPUTE_DTYPES = ("float32", "bfloat16")
-REMATS = ("full", "dots", "none")
+REMATS = ("auto", "full", "dots", "none")
 MAX_LENGTH = 2**20  # tokens per sample
 
 
@@ -34,7 +34,8 @@ class TrainConfig:
     mini_batches: int = 1  # updates per pass: the batch split into this many parts
     epochs: int = 1  # passes over the batch
     token_budget: int = 4096  # tokens per micro-batch (packed rows x row length)
-    remat: str = "full"  # layer-scan rematerialisation: "full", "dots" or "none"
+    remat: str = "auto"  # layer-scan rematerialisation: "full", "dots", "none", or "auto"
+    #                      (rl.memory.resolve_remat: "dots" for big micro-batches that fit)
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
     logprob_chunk: int = 128  # positions per LM-head chunk (rl/logprobs.LOGPROB_CHUNK)
     donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
