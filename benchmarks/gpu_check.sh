@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one call on a lent GPU machine; about 4-6 minutes: decode is timed
+# The prepared GPU check (one call on a lent GPU machine; about 5-7 minutes: decode is timed
 # exact and exact=False, and an engine's log-probs are compared with the trainer's bit for bit).
 # Needs jax with CUDA, numpy; installs nothing. Results go to ${OUT:-benchmarks/results}.
 #   benchmarks/gpu_check.sh            # on the GPU machine
@@ -13,4 +13,7 @@ if [[ "${1:-}" == "--smoke" ]]; then
     --out "${OUT:-${TMPDIR:-/tmp}/gpu_check_smoke}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 540 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}"
+timeout 480 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}"
+# which matmul formulation / XLA flags keep a row's bits at any row count (issue 33); ~1 min
+timeout 150 "$PY" -m benchmarks.row_invariance \
+  --json "${OUT:-benchmarks/results}/row_invariance.json" || true

@@ -123,10 +123,7 @@ def _check_leaves(params):
     return finite, jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
 
 
-@jax.jit
-def _checked(params):
-    """(every value finite, fingerprint): one pass over the weights."""
-    return _check_leaves(params)
+_checked = jax.jit(_check_leaves)  # (every value finite, fingerprint): one pass
 
 
 @jax.jit
