@@ -419,7 +419,7 @@ def _compiled_text(sp):
     rollouts = rollout(varied_params(0), sp, groups=1)
     batch = make_batch(rollouts, rewards(rollouts))
     state = _state()
-    cfg = TrainConfig()
+    cfg = TrainConfig(remat="full")  # train_step resolves "auto" before this
     packed = pack_batch(batch, cfg)
     knobs = sp.as_arrays()
     kind = filter_kind(sp.temperature, sp.top_p, sp.top_k, CONFIG.vocab_size)
