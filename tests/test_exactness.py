@@ -173,3 +173,21 @@ def test_every_token_reproduces_bit_for_bit(params0, page_size, slots, chunk, pr
                             audit_tolerance=0.0)
     assert float(metrics["logprob_mismatch_max"]) == 0.0
     assert int(metrics["audit_checked_tokens"]) > 0
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "none"])
+def test_every_remat_policy_reproduces_the_sampler(params0, remat):
+    """The remat policy ("auto" picks "dots" for big micro-batches) changes what the backward
+    keeps, never the forward's bits: engine samples (a computed and a cached prefix), split
+    over several micro-batches, pass the tolerance-0 gate with mismatch exactly 0."""
+    engine = _engine()
+    calls = [engine.rollout(params0, 0, PROMPTS, SP, rng=jax.random.key(k)) for k in (5, 6)]
+    assert calls[1].cached_tokens > 0
+    batch = dataclasses.replace(calls[0], samples=calls[0].samples + calls[1].samples)
+    state = TrainState.create(params0, optax.sgd(1e-3), config=CONFIG)
+    rewards = [float(i % 3 == 0) for i in range(len(batch.samples))]
+    _, metrics = train_step(state, make_batch(batch, rewards), audit_tolerance=0.0,
+                            remat=remat, token_budget=256)
+    assert int(metrics["audit_checked_tokens"]) == sum(len(s.output_ids) for s in batch.samples)
+    assert float(metrics["logprob_mismatch_max"]) == 0.0
+    assert float(metrics["ratio_max"]) == 1.0
