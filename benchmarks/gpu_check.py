@@ -14,10 +14,12 @@
 (3) causal prefill of 4k tokens, exact and exact=False, at the default and alternative
     program shapes: TFLOP/s;
 (4) exactness: an engine's recorded log-probs (kernels, and the xla path) against the
-    trainer's teacher-forced ones (jaxrl_cache.rl.logprobs.next_token_log_probs, the dense
-    forward), bit for bit: the number of log-probs whose bits differ and the max |diff|
-    (exact on CPU; this answers it for the GPU; never fails the script).
-Writes gpu_check.json and gpu_check.txt into --out.
+    trainer's teacher-forced ones (the audit's pass over plain rows, and the train step's
+    gate over packed rows), bit for bit: the number of log-probs whose bits differ and the
+    max |diff|, with XLA's dots and with the batch-invariant kernels
+    (JAXRL_CACHE_KERNELS=pallas: tiled_matmul, the trainer's attention on the prefill
+    kernel), fp32 and bf16 (exact on CPU; this answers it for the GPU; never fails).
+Writes gpu_check.json and gpu_check.txt into --out after every section.
 """
 from __future__ import annotations
 
@@ -203,85 +205,137 @@ def bench_prefill(backend, smoke, report):
         print("prefill", row, flush=True)
 
 
+EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype)
+    ("pallas", "xla", "float32"), ("xla", "xla", "float32"),
+    ("pallas", "pallas", "float32"), ("pallas", "pallas", "bfloat16"))
+
+
 def check_exactness(backend, smoke, report):
-    """Exact numerics on this device: an engine's recorded log-probs (Pallas kernels, and the
-    xla path) against the trainer's teacher-forced ones (rl.logprobs, the dense forward), bit
-    for bit. On CPU both match (tests/test_exactness.py); this answers it for the GPU. Never
-    fails the script: the numbers (and any error) go into the report."""
+    """Exact numerics on this device, per variant (engine backend x the trainer's and
+    projections' kernels, JAXRL_CACHE_KERNELS, x dtype), each in a child process (the
+    variable is read when a program is traced): see `exactness_row`. Never fails the
+    script: the numbers (and any error) go into the report."""
+    import os
+    import subprocess
+    import sys
+    for engine_backend, kernels, dtype in EXACTNESS_VARIANTS:
+        if smoke:  # interpret mode stands in for the compiled kernels
+            engine_backend = "interpret" if engine_backend == "pallas" else engine_backend
+            kernels = "interpret" if kernels == "pallas" else kernels
+        row = dict(engine_backend=engine_backend, kernels=kernels, dtype=dtype)
+        env = dict(os.environ, JAXRL_CACHE_KERNELS=kernels)
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.gpu_check", "--exactness-child",
+                 json.dumps(dict(engine_backend=engine_backend, dtype=dtype, smoke=smoke))],
+                env=env, capture_output=True, text=True, timeout=240)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                raise RuntimeError(proc.stderr.strip()[-300:])
+            row.update(json.loads(lines[-1]))
+        except Exception as e:  # noqa: BLE001 - recorded, the check answers a question
+            row.update(error=f"{type(e).__name__}: {e}"[:300])
+        print("exactness", row, flush=True)
+        report["exactness"].append(row)
+
+
+def exactness_row(engine_backend: str, dtype: str, smoke: bool) -> dict:
+    """An engine's recorded log-probs against the trainer's, bit for bit, in this process's
+    JAXRL_CACHE_KERNELS: the audit's teacher-forced pass (rl.logprobs, plain rows) over two
+    calls (the second reuses the cached prefix), and the GRPO train step's own gate (packed
+    rows with shared prefixes): its mismatch max and first PPO ratio (1.0 when exact)."""
+    import optax
     from jaxrl_cache.models import ModelConfig, init_params
+    from jaxrl_cache.rl.batch import make_batch
     from jaxrl_cache.rl.logprobs import next_token_log_probs
+    from jaxrl_cache.rl.train import TrainState, train_step
     from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
     from jaxrl_cache.shapes import bucket
     config = ModelConfig.tiny(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2,
-                              head_dim=64, d_ff=512, max_seq_len=512)
+                              head_dim=64, d_ff=512, max_seq_len=512, dtype=dtype)
     params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     system = [int(t) for t in rng.integers(1, 512, 48)]
     prompts = [system + [int(t) for t in rng.integers(1, 512, 5 + i)] for i in range(4)]
     sampling = SamplingParams(n=4, max_new_tokens=8 if smoke else 32, temperature=1.0)
-    for engine_backend in (backend, "xla"):
-        row = dict(engine_backend=engine_backend)
-        try:
-            engine = RolloutEngine(config, CacheConfig(num_pages=256, page_size=16),
-                                   backend=engine_backend)
-            batches = [engine.rollout(params, 0, prompts, sampling, rng=jax.random.key(k))
-                       for k in range(2)]  # the second call reuses the cached prefix
-            tokens = diffs = mismatched = 0
-            for batch in batches:
-                longest = max(len(s.prompt_ids) + len(s.output_ids) for s in batch.samples)
-                # as the audit (rl/audit.py) builds them: rows and length bucketed
-                rows = np.zeros((bucket(len(batch.samples), 64), bucket(longest, 64)), np.int32)
-                for i, s in enumerate(batch.samples):
-                    rows[i, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
-                logp = np.asarray(next_token_log_probs(params, config, rows, sampling))
-                for i, s in enumerate(batch.samples):
-                    p, o = len(s.prompt_ids), len(s.output_ids)
-                    got = np.asarray(s.output_logprobs, np.float32)
-                    want = logp[i, p - 1:p - 1 + o]
-                    tokens += o
-                    mismatched += int((got != want).sum())
-                    diffs = max(diffs, float(np.abs(got - want).max(initial=0.0)))
-            row.update(tokens=tokens, bit_mismatches=mismatched, max_abs_diff=diffs,
-                       exact=mismatched == 0, cached_tokens=batches[1].cached_tokens)
-        except Exception as e:  # noqa: BLE001 - recorded, the check answers a question
-            row.update(error=f"{type(e).__name__}: {e}"[:300])
-        report["exactness"].append(row)
+    engine = RolloutEngine(config, CacheConfig(num_pages=256, page_size=16),
+                           backend=engine_backend)
+    batches = [engine.rollout(params, 0, prompts, sampling, rng=jax.random.key(k))
+               for k in range(2)]  # the second call reuses the cached prefix
+    tokens = diffs = mismatched = 0
+    for batch in batches:
+        longest = max(len(s.prompt_ids) + len(s.output_ids) for s in batch.samples)
+        # as the audit (rl/audit.py) builds them: rows and length bucketed
+        rows = np.zeros((bucket(len(batch.samples), 64), bucket(longest, 64)), np.int32)
+        for i, s in enumerate(batch.samples):
+            rows[i, :len(s.prompt_ids) + len(s.output_ids)] = s.prompt_ids + s.output_ids
+        logp = np.asarray(next_token_log_probs(params, config, rows, sampling))
+        for i, s in enumerate(batch.samples):
+            p, o = len(s.prompt_ids), len(s.output_ids)
+            got = np.asarray(s.output_logprobs, np.float32)
+            want = logp[i, p - 1:p - 1 + o]
+            tokens += o
+            mismatched += int((got != want).sum())
+            diffs = max(diffs, float(np.abs(got - want).max(initial=0.0)))
+    state = TrainState.create(params, optax.adamw(1e-6), config=config)
+    rewards = [float(i % 3 == 0) for i in range(len(batches[1].samples))]
+    _, metrics = train_step(state, make_batch(batches[1], rewards), audit_tolerance=1.0)
+    return dict(tokens=tokens, bit_mismatches=mismatched, max_abs_diff=diffs,
+                exact=mismatched == 0, cached_tokens=batches[1].cached_tokens,
+                step_mismatch_max=float(metrics["logprob_mismatch_max"]),
+                step_ratio_max=float(metrics["ratio_max"]))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
+    parser.add_argument("--exactness-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.exactness_child:  # one exactness variant (check_exactness starts it)
+        print(json.dumps(exactness_row(**json.loads(args.exactness_child))))
+        return
     backend = "interpret" if args.smoke else "pallas"
     device = jax.devices()[0]
     report = dict(date=datetime.date.today().isoformat(), device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, backend=backend,
                   correctness=[], exactness=[], decode=[], prefill=[])
     t0 = time.perf_counter()
-    check_correctness(backend, args.smoke, report)
-    print("correctness", report["correctness"], flush=True)
-    check_exactness(backend, args.smoke, report)
-    print("exactness", report["exactness"], flush=True)
-    report["copy_GBps"] = copy_bandwidth(args.smoke) / 1e9
-    bench_decode(backend, args.smoke, report, report["copy_GBps"] * 1e9)
-    bench_prefill(backend, args.smoke, report)
-    report["seconds"] = time.perf_counter() - t0
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    sections = (  # written after each one: a run cut short by its timeout keeps the rest
+        lambda: check_correctness(backend, args.smoke, report),
+        lambda: check_exactness(backend, args.smoke, report),
+        lambda: report.update(copy_GBps=copy_bandwidth(args.smoke) / 1e9),
+        lambda: bench_decode(backend, args.smoke, report, report["copy_GBps"] * 1e9),
+        lambda: bench_prefill(backend, args.smoke, report))
+    for section in sections:
+        section()
+        report["seconds"] = time.perf_counter() - t0
+        text = write_report(report, out)
+    print(text)
+
+
+def write_report(report: dict, out: pathlib.Path) -> str:
+    """Writes gpu_check.json and gpu_check.txt (what has been measured so far)."""
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     lines = [f"gpu_check {report['date']} on {report['device']} (jax {report['jax']}, "
-             f"{backend}); copy bandwidth {report['copy_GBps']:.0f} GB/s", "",
+             f"{report['backend']}); copy bandwidth {report.get('copy_GBps', float('nan')):.0f}"
+             f" GB/s; {report['seconds']:.0f} s", "",
              "correctness (max abs err vs xla reference):"]
     lines += [f"  {c['shape']}: decode {c['decode_max_err']:.2e}, prefill "
               f"{c['prefill_max_err']:.2e} {'ok' if c['ok'] else 'FAIL'}; exact kernels' bits "
               f"differ in {c['decode_bits_differ']}/{c['decode_elements']} decode, "
               f"{c['prefill_bits_differ']}/{c['prefill_elements']} prefill elements"
               for c in report["correctness"]]
-    lines += ["", "exactness (engine log-probs vs the trainer's, bit for bit):"]
-    lines += [f"  engine {r['engine_backend']}: " + (r["error"] if "error" in r else
-              f"{r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
-              f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'})")
+    lines += ["", "exactness (engine log-probs vs the trainer's, bit for bit; "
+              "kernels = JAXRL_CACHE_KERNELS):"]
+    lines += [f"  engine {r['engine_backend']}, kernels {r['kernels']}, {r['dtype']}: "
+              + (r["error"] if "error" in r else
+                 f"audit {r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
+                 f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'}); "
+                 f"train step mismatch max {r['step_mismatch_max']:.2e}, ratio max "
+                 f"{r['step_ratio_max']:.7f}")
               for r in report["exactness"]]
     lines += ["", "decode (ours = exact; fast = exact=False, flash-decoding)",
               "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"
@@ -296,8 +350,9 @@ def main():
     lines += [f"        {r['tokens']:6d} {r['exact']!s:>6} {r['block_rows']!s:>7} "
               f"{r['num_warps']!s:>7} {r['ms']:7.3f} {r['TFLOPs']:8.1f}"
               for r in report["prefill"]]
-    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = "\n".join(lines) + "\n"
+    (out / "gpu_check.txt").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

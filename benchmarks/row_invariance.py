@@ -9,7 +9,10 @@ set, which formulation keeps a row's bits on the device it runs on:
 - `plain`: x [M, K] @ w [K, N];
 - `tiled`: rows padded to a multiple of TILE and computed as one batched dot of
   [M / TILE, TILE, K] against w broadcast over the tiles (every row goes through a
-  TILE-row problem, if XLA keeps the batch).
+  TILE-row problem, if XLA keeps the batch);
+- `kernel`: `kernels_pallas.matmul.tiled_matmul`, the fixed-tile Pallas program that
+  JAXRL_CACHE_KERNELS=pallas routes the model's projections through (GPU only: on CPU its
+  interpret mode is the XLA:CPU dot again).
 
 For M in ROWS, the rows of each result are compared with the same rows computed among
 the largest M (fp32 and bf16 inputs, fp32 accumulation; SmolLM2's [576 -> 1536] and
@@ -56,13 +59,17 @@ def probe() -> list[dict]:
                                   preferred_element_type=jnp.float32)
         return out.reshape(-1, w.shape[1])[:m]
 
+    forms = [("plain", plain), ("tiled", tiled)]
+    if jax.default_backend() == "gpu":
+        from kernels_pallas.matmul import tiled_matmul
+        forms.append(("kernel", tiled_matmul))
     rng = np.random.default_rng(0)
     rows = []
     for k, n in SHAPES:
         for dtype in ("float32", "bfloat16"):
             x_all = jnp.asarray(rng.standard_normal((max(ROWS), k)), dtype)
             w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-            for name, fn in (("plain", plain), ("tiled", tiled)):
+            for name, fn in forms:
                 f = jax.jit(fn)
                 want = np.asarray(f(x_all, w))
                 differ = [m for m in ROWS[:-1]

@@ -9,11 +9,12 @@ from kernels_pallas._common import BACKENDS, next_power_of_2, resolve_backend
 from kernels_pallas.decode import (DecodePlan, paged_decode_attention, paged_decode_reference,
                                    plan_decode)
 from kernels_pallas.kv_write import write_kv, write_kv_jit
-from kernels_pallas.prefill import paged_prefill_attention, paged_prefill_reference
+from kernels_pallas.prefill import (gathered_prefill_attention, paged_prefill_attention,
+                                    paged_prefill_reference)
 
 __all__ = [
     "BACKENDS", "next_power_of_2", "resolve_backend",
     "DecodePlan", "paged_decode_attention", "paged_decode_reference", "plan_decode",
-    "paged_prefill_attention", "paged_prefill_reference",
+    "gathered_prefill_attention", "paged_prefill_attention", "paged_prefill_reference",
     "write_kv", "write_kv_jit",
 ]

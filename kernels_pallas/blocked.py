@@ -217,7 +217,7 @@ def _gathered_forward(q, k, v, blocks, visible, scale):
     return out, (q, k, v, blocks, visible, out)
 
 
-def _gathered_backward(scale, residuals, d_out):
+def gathered_attention_backward(scale, residuals, d_out):
     """Dense attention's backward on each tile's gathered keys; key cotangents are summed
     back into their blocks (a block several tiles see gets all their shares)."""
     q, k, v, blocks, visible, out = residuals
@@ -239,7 +239,7 @@ def _gathered_backward(scale, residuals, d_out):
     return dq, scatter(k, dkg), scatter(v, dvg), None, None
 
 
-gathered_attention.defvjp(_gathered_forward, _gathered_backward)
+gathered_attention.defvjp(_gathered_forward, gathered_attention_backward)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import _common as c
 from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
                                    store_chunks)
-from kernels_pallas.blocked import MIN_QUERY_ROWS, blocked_attention
+from kernels_pallas.blocked import (KEY_BLOCK, MIN_QUERY_ROWS, blocked_attention,
+                                    gathered_attention_backward)
 
 
 # Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
@@ -288,3 +289,55 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
 
 # paged_prefill_reference's query tile (tokens), which interpret mode mirrors (exact=True)
 _REFERENCE_BLOCK_Q = inspect.signature(paged_prefill_reference).parameters["block_q"].default
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def gathered_prefill_attention(q, k, v, blocks, visible, scale: float, backend: str):
+    """`blocked.gathered_attention` computed by the paged prefill kernel: the trainer's
+    attention on the sampler's own program (on a GPU, where XLA's dots change their bits
+    with the row count, the only way its bits can be the sampler's).
+
+    The row's keys are viewed as a pool of KEY_BLOCK-token pages and each query tile as a
+    sequence whose page table is its block list: the kernel's causal-by-position mask is
+    then `visible` for packed rows whose sequences start on block edges and whose tiles
+    list every block they see, their own last (`rl.packing` builds them so). Shapes as
+    `gathered_attention`: q [B, Hkv, NQ, KEY_BLOCK * G, D]; k, v [B, Hkv, L, D] (L a
+    multiple of KEY_BLOCK); blocks int32 [B, Hkv, NQ, KM] (the same for every head);
+    visible bool [B, 1, NQ, KEY_BLOCK * G, KM * KEY_BLOCK] (counts the blocks a tile sees).
+    Returns f32 [B, Hkv, NQ, KEY_BLOCK * G, D]. The backward pass is gathered_attention's.
+    """
+    return _gathered_prefill(q, k, v, blocks, visible, scale, backend)
+
+
+def _gathered_prefill(q, k, v, blocks, visible, scale, backend):
+    batch, hkv, nq, rows, d = q.shape
+    group, length = rows // KEY_BLOCK, k.shape[2]
+    nb, km = length // KEY_BLOCK, blocks.shape[-1]
+    seen = visible.reshape(batch, nq, rows, km, KEY_BLOCK).any(axis=(2, 4))  # [B, NQ, KM]
+    kv_lens = (KEY_BLOCK * seen.sum(-1)).astype(jnp.int32).reshape(-1)  # [B * NQ]
+    table = (jnp.arange(batch, dtype=jnp.int32)[:, None, None] * nb
+             + jnp.clip(blocks[:, 0], 0, nb - 1)).reshape(batch * nq, km)
+
+    def pool(x):  # [B, Hkv, L, D] -> pages [B * NB, Hkv, KEY_BLOCK, D]
+        x = x.reshape(batch, hkv, nb, KEY_BLOCK, d).transpose(0, 2, 1, 3, 4)
+        return x.reshape(batch * nb, hkv, KEY_BLOCK, d)
+
+    packed = q.reshape(batch, hkv, nq, KEY_BLOCK, group, d).transpose(0, 2, 3, 1, 4, 5)
+    packed = packed.reshape(batch * nq * KEY_BLOCK, hkv * group, d)
+    cu_q_lens = jnp.arange(batch * nq + 1, dtype=jnp.int32) * KEY_BLOCK
+    out = paged_prefill_attention(packed, pool(k), pool(v), table, cu_q_lens, kv_lens,
+                                  sm_scale=scale, backend=backend)  # [B * NQ * KB, Hq, D]
+    out = out.reshape(batch, nq, KEY_BLOCK, hkv, group, d).transpose(0, 3, 1, 2, 4, 5)
+    return out.reshape(q.shape).astype(jnp.float32)
+
+
+def _gathered_prefill_forward(q, k, v, blocks, visible, scale, backend):
+    out = _gathered_prefill(q, k, v, blocks, visible, scale, backend)
+    return out, (q, k, v, blocks, visible, out)
+
+
+def _gathered_prefill_backward(scale, backend, residuals, d_out):
+    return gathered_attention_backward(scale, residuals, d_out)
+
+
+gathered_prefill_attention.defvjp(_gathered_prefill_forward, _gathered_prefill_backward)

@@ -3,7 +3,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas import paged_decode_attention, paged_prefill_attention
+from kernels_pallas import (gathered_prefill_attention, paged_decode_attention,
+                            paged_prefill_attention)
+from kernels_pallas.matmul import tiled_matmul
 
 B, HQ, HKV, D, PAGE, PAGES, WIDTH = 8, 32, 8, 128, 16, 1024, 128
 ODD_PAGES = 1000  # real pools need not hold a power-of-two number of pages
@@ -95,3 +97,33 @@ def test_lowering_rejects_too_small_dot(exact):
             jax.ShapeDtypeStruct((64, HKV, 8, D), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, HKV, 8, D), jnp.bfloat16),
             jax.ShapeDtypeStruct((B, 8), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("k,n,rows_out", [(576, 1536, False), (576, 49152, True),
+                                          (40, 24, False)])
+def test_the_tiled_matmul_lowers_to_one_triton_kernel(dtype, k, n, rows_out):
+    """models.dense on a GPU under JAXRL_CACHE_KERNELS=pallas (SmolLM2's projection and
+    tied head, and a shape that needs padding); forward and the XLA backward."""
+    w_shape = (n, k) if rows_out else (k, n)
+
+    def loss(x, w):
+        return tiled_matmul(x, w, w_rows_out=rows_out).sum()
+
+    text = lower_for_cuda(jax.value_and_grad(loss, (0, 1)), jax.ShapeDtypeStruct((100, k), dtype),
+                          jax.ShapeDtypeStruct(w_shape, dtype))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "tiled_matmul" in text
+
+
+def test_the_trainers_gathered_attention_lowers_to_the_prefill_kernel():
+    hkv, group, d, nq, km = 2, 3, 64, 8, 4
+    q = jax.ShapeDtypeStruct((2, hkv, nq, 16 * group, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, hkv, nq * 16, d), jnp.bfloat16)
+    blocks = jax.ShapeDtypeStruct((2, hkv, nq, km), jnp.int32)
+    visible = jax.ShapeDtypeStruct((2, 1, nq, 16 * group, km * 16), jnp.bool_)
+    text = lower_for_cuda(
+        lambda q, k, v, b, m: gathered_prefill_attention(q, k, v, b, m, 0.125, "pallas"),
+        q, kv, kv, blocks, visible)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "paged_prefill_attention" in text

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.dense import dense
+from jaxrl_cache.models.dense import dense, invariant_kernels
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import split_batch
-from kernels_pallas import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels_pallas import (gathered_prefill_attention, paged_decode_attention,
+                            paged_prefill_attention, write_kv)
 from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention, tree_sum
 
 
@@ -185,6 +186,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     (optional, with segments): the key blocks each tile of KEY_BLOCK queries can see
     (increasing, padded with -1): attention then runs on those blocks only
     (`gathered_attention`, the same bits). Returns x [B, T, d_model] in the params' dtype.
+    Under JAXRL_CACHE_KERNELS (`dense.invariant_kernels`) attention runs on the prefill
+    kernel for plain rows and rows with kv_blocks (packed rows without them stay on XLA).
     """
     batch, length = tokens.shape
     if segments is None and length > config.max_seq_len:  # packed rows: positions restart
@@ -192,6 +195,18 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
+    if segments is None and invariant_kernels() is not None:
+        # plain causal rows as one packed sequence each, so attention runs on the sampler's
+        # prefill kernel too: tile t sees blocks 0..t (the zero tail changes no earlier row)
+        padded = -(-length // KEY_BLOCK) * KEY_BLOCK
+        tiles = jnp.arange(padded // KEY_BLOCK, dtype=jnp.int32)
+        causal = jnp.where(tiles[None, :] <= tiles[:, None], tiles[None, :], -1)
+        x = hidden_states(params, config, jnp.pad(tokens, ((0, 0), (0, padded - length))),
+                          jnp.pad(positions, ((0, 0), (0, padded - length)), mode="edge"),
+                          jnp.ones((batch, padded), jnp.int32),
+                          kv_blocks=jnp.broadcast_to(causal, (batch, *causal.shape)),
+                          remat=remat)
+        return x[:, :length]
     if kv_blocks is not None:
         if segments is None or length % KEY_BLOCK:
             raise ValueError(f"kv_blocks needs segments and a row length that is a multiple "
@@ -246,11 +261,18 @@ def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
     visible = jnp.repeat(visible, group, axis=2)[:, None]  # [B, 1, NQ, KB * G, KM * KB]
     blocks = jnp.broadcast_to(jnp.maximum(kv_blocks, 0)[:, None], (batch, hkv, nq, km))
 
+    kernels = invariant_kernels()
+    if kernels is None:
+        gathered = gathered_attention
+    else:  # the sampler's prefill kernel (a GPU's dots are not batch-invariant)
+        def gathered(*args):
+            return gathered_prefill_attention(*args, kernels)
+
     def attend(_, q, k, v, kv_cache):
         qg = q.reshape(batch, nq, KEY_BLOCK, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)
-        out = gathered_attention(qg.reshape(batch, hkv, nq, KEY_BLOCK * group, hd),
-                                 k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), blocks,
-                                 visible, hd ** -0.5)  # [B, Hkv, NQ, KB * G, D]
+        out = gathered(qg.reshape(batch, hkv, nq, KEY_BLOCK * group, hd),
+                       k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), blocks, visible,
+                       hd ** -0.5)  # [B, Hkv, NQ, KB * G, D]
         out = out.reshape(batch, hkv, nq, KEY_BLOCK, group, hd).transpose(0, 2, 3, 1, 4, 5)
         return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
     return attend

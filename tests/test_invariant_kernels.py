@@ -1,0 +1,176 @@
+"""The batch-invariant kernels for a GPU (JAXRL_CACHE_KERNELS, models.dense.invariant_kernels):
+`tiled_matmul` is a right matmul whose row bits do not depend on the row count, the prefill
+kernel computes the trainer's gathered attention bit for bit, and with both on the whole
+chain (engine samples -> audit -> train step) stays exact. Interpret mode on CPU: the same
+kernel programs the GPU compiles; tests/test_cuda_lowering.py checks they lower for CUDA."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_cache.models.dense import KERNELS_ENV, invariant_kernels
+from kernels_pallas import gathered_prefill_attention
+from kernels_pallas.blocked import KEY_BLOCK, gathered_attention
+from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k,n,rows_out", [(96, 80, False), (64, 48, True), (40, 24, False)])
+def test_tiled_matmul_is_a_matmul_whose_rows_ignore_the_batch(dtype, k, n, rows_out):
+    """Right against float64 numpy (K and N that need zero padding included), and each row
+    has the same bits alone, among a few rows, or among more than two tiles of rows."""
+    x = jnp.asarray(RNG.standard_normal((2 * BLOCK_M + 5, k)), dtype)
+    w = jnp.asarray(RNG.standard_normal((n, k) if rows_out else (k, n)), dtype)
+    f = jax.jit(lambda x, w: tiled_matmul(x, w, w_rows_out=rows_out, backend="interpret"))
+    full = np.asarray(f(x, w))
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    np.testing.assert_allclose(full, x64 @ (w64.T if rows_out else w64), rtol=1e-5, atol=1e-4)
+    for rows in (1, 3, 17, BLOCK_M, BLOCK_M + 1):
+        np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), full[:rows])
+
+
+def test_tile_sizes_depend_on_the_weight_alone():
+    assert tile_sizes(576, 1536, jnp.bfloat16) == (64, 128)
+    assert tile_sizes(576, 1536, jnp.float32) == (32, 128)
+    assert tile_sizes(576, 192, jnp.float32) == (32, 64)
+    assert tile_sizes(40, 24, jnp.float32) == (32, 128)  # padded: no power of two >= 16 fits
+
+
+def test_tiled_matmul_gradients_are_the_matmuls():
+    x = jnp.asarray(RNG.standard_normal((5, 40)), jnp.float32)
+    for rows_out in (False, True):
+        w = jnp.asarray(RNG.standard_normal((24, 40) if rows_out else (40, 24)), jnp.float32)
+        plain = (lambda x, w: x @ w.T) if rows_out else (lambda x, w: x @ w)
+        got = jax.grad(lambda x, w: (tiled_matmul(x, w, w_rows_out=rows_out,
+                                                  backend="interpret") ** 2).sum(), (0, 1))(x, w)
+        want = jax.grad(lambda x, w: (plain(x, w) ** 2).sum(), (0, 1))(x, w)
+        for g, h in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-4)
+
+
+def test_tiled_matmul_refuses_bad_input():
+    with pytest.raises(ValueError, match="backend"):
+        tiled_matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), backend="xla")
+    with pytest.raises(ValueError, match="contract"):
+        tiled_matmul(jnp.ones((2, 3)), jnp.ones((4, 5)), backend="interpret")
+
+
+def test_invariant_kernels_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert invariant_kernels() is None
+    monkeypatch.setenv(KERNELS_ENV, "interpret")
+    assert invariant_kernels() == "interpret"
+    monkeypatch.setenv(KERNELS_ENV, "gpu")
+    with pytest.raises(ValueError, match=KERNELS_ENV):
+        invariant_kernels()
+
+
+def _packed_rows(group: int):
+    """Two packed rows of 4 key blocks, as rl.packing lays them out: row 0 holds sequences A
+    (blocks 0-1) and B (2-3); row 1 a shared prefix P (block 0) and samples S1 (blocks 1-2)
+    and S2 (block 3) attending to it. -> (blocks [2, NQ, KM], visible [2, NQ, KB*G, KM*KB])."""
+    blocks = np.array([[[0, -1, -1], [0, 1, -1], [2, -1, -1], [2, 3, -1]],
+                       [[0, -1, -1], [0, 1, -1], [0, 1, 2], [0, 3, -1]]], np.int32)
+    segments = np.repeat(np.array([[1, 1, 2, 2], [1, 2, 2, 3]]), KEY_BLOCK, axis=1)
+    parents = np.repeat(np.array([[0, 0, 0, 0], [0, 1, 1, 1]]), KEY_BLOCK, axis=1)
+    cols = np.maximum(blocks, 0)[..., None] * KEY_BLOCK + np.arange(KEY_BLOCK)  # [2, NQ, KM, KB]
+    cols = cols.reshape(2, 4, -1)
+    q_cols = np.arange(4 * KEY_BLOCK).reshape(4, KEY_BLOCK)
+    visible = np.zeros((2, 4, KEY_BLOCK, cols.shape[-1]), bool)
+    for b in range(2):
+        for t in range(4):
+            for i in range(KEY_BLOCK):
+                qc = q_cols[t, i]
+                kc = cols[b, t]
+                seg = segments[b, kc]
+                sees = (seg == segments[b, qc]) | ((seg == parents[b, qc]) & (parents[b, qc] > 0))
+                valid = np.repeat(blocks[b, t] >= 0, KEY_BLOCK)
+                visible[b, t, i] = sees & valid & (kc <= qc)
+    return blocks, np.repeat(visible, group, axis=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_prefill_kernel_computes_the_trainers_gathered_attention(dtype):
+    """Packed rows with separate sequences and a shared prefix: the prefill kernel over the
+    row's blocks as pages returns gathered_attention's bits (in the model's dtype, as the
+    model casts it), and its gradient (bf16: the kernel's output, a residual of the shared
+    backward pass, is already rounded)."""
+    hkv, group, d = 2, 2, 16
+    blocks, visible = _packed_rows(group)
+    q = jnp.asarray(RNG.standard_normal((2, hkv, 4, KEY_BLOCK * group, d)), dtype)
+    k = jnp.asarray(RNG.standard_normal((2, hkv, 4 * KEY_BLOCK, d)), dtype)
+    v = jnp.asarray(RNG.standard_normal((2, hkv, 4 * KEY_BLOCK, d)), dtype)
+    heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None], (2, hkv, 4, 3))
+    vis = jnp.asarray(visible)[:, None]
+    want = jax.jit(gathered_attention, static_argnums=5)(q, k, v, heads_blocks, vis, 0.25)
+    kernel = jax.jit(lambda *a: gathered_prefill_attention(*a, 0.25, "interpret"))
+    got = kernel(q, k, v, heads_blocks, vis)
+    np.testing.assert_array_equal(np.asarray(got.astype(dtype)), np.asarray(want.astype(dtype)))
+    loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()  # noqa: E731
+    g_want = jax.grad(loss(lambda q, k, v: gathered_attention(q, k, v, heads_blocks, vis,
+                                                              0.25)), (0, 1, 2))(q, k, v)
+    g_got = jax.grad(loss(lambda q, k, v: kernel(q, k, v, heads_blocks, vis)),
+                     (0, 1, 2))(q, k, v)
+    for a, b in zip(g_got, g_want):
+        if dtype == "float32":
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       rtol=0.05, atol=0.05)
+
+
+CHAIN = textwrap.dedent("""
+    import jax, numpy as np, optax
+    from jaxrl_cache.app.demo import builtin_model_config
+    from jaxrl_cache.models import init_params
+    from jaxrl_cache.rl.audit import audit_attribution
+    from jaxrl_cache.rl.batch import make_batch
+    from jaxrl_cache.rl.train import TrainState, train_step
+    from jaxrl_cache.rollout.engine import RolloutEngine
+    from jaxrl_cache.rollout.sampling import SamplingParams
+    from jaxrl_cache.rollout.types import CacheConfig
+
+    class VersionBlind(RolloutEngine):
+        def _cache_key(self, version):
+            return 0
+
+    config = builtin_model_config(vocab_size=40)
+    system = [int(t) for t in np.random.default_rng(0).integers(3, 40, 40)]
+    prompts = [system + [5 + i, 9, 11 + i] for i in range(4)]
+    sampling = SamplingParams(n=4, max_new_tokens=12, temperature=1.0)
+    p0 = init_params(config, jax.random.key(0))
+    blind = VersionBlind(config, CacheConfig(num_pages=256, page_size=8), backend="interpret")
+    first = blind.rollout(p0, 0, prompts, sampling, rng=jax.random.key(1))
+    report = audit_attribution(first, {0: p0}, config)
+    assert report.ok and report.max_abs_diff == 0.0, report
+    state = TrainState.create(p0, optax.adamw(1.0, weight_decay=0.0), config=config,
+                              lr_schedule=1e-6)
+    rewards = [float(i % 3 == 0) for i in range(len(first.samples))]
+    new, metrics = train_step(state, make_batch(first, rewards), audit_tolerance=0.0)
+    assert float(metrics["ratio_max"]) == 1.0, metrics
+    assert float(metrics["logprob_mismatch_max"]) == 0.0, metrics
+    blind.sync_weights(new.params, 1)
+    stale = blind.rollout(new.params, 1, prompts, sampling, rng=jax.random.key(2))
+    reused = tuple(i for i, s in enumerate(stale.samples) if s.cached_tokens > 0)
+    assert len(reused) == 16
+    assert audit_attribution(stale, {1: new.params}, config).flagged == reused
+    print("chain exact")
+""")
+
+
+def test_the_chain_is_exact_on_the_invariant_kernels():
+    """JAXRL_CACHE_KERNELS=interpret: the engine's interpret kernels sample, the trainer runs
+    tiled_matmul and the prefill kernel; the audit and the train step's gate find every bit
+    equal (ratio exactly 1), and one update at lr 1e-6 makes every stale sample flagged."""
+    env = dict(os.environ, **{KERNELS_ENV: "interpret"})
+    proc = subprocess.run([sys.executable, "-c", CHAIN], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chain exact" in proc.stdout
