@@ -14,6 +14,22 @@ from kernels_pallas._common import MASK_VALUE
 from kernels_pallas.blocked import KEY_BLOCK
 
 LOG2E = math.log2(math.e)
+# Query rows of every dot of the compiled exact kernels (decode pads its GQA group to it,
+# prefill never shrinks its tiles below it): one MMA shape (wgmma m64 on sm_90; 16 rows
+# would be mma.sync) in the sampler's decode, its prefill and the trainer's attention
+# (`prefill.gathered_prefill_attention`), so a query's bits cannot depend on which ran it.
+EXACT_DOT_ROWS = 64
+# ... and the same program around it: warps and keys per block by head_dim (from ptxas for
+# sm_90, benchmarks/results/kernel_resources-*.md: the exact kernel holds p and an fp32
+# p @ v, so 4 warps spill at D=128 and 8 do not; D=256 at 64 keys spills, at 32 it does not).
+EXACT_WARPS = {64: 4, 128: 8, 256: 8}
+EXACT_BLOCK_K = {128: 64, 256: 32}
+
+
+def exact_program(head_dim: int) -> tuple[int, int]:
+    """(num_warps, keys per block) of the compiled exact decode and prefill kernels."""
+    size_class = 128 if head_dim <= 128 else 256
+    return EXACT_WARPS[64 if head_dim <= 64 else size_class], EXACT_BLOCK_K[size_class]
 
 
 def _dot(a, b, contract_b: int):

@@ -31,8 +31,8 @@ from kernels_pallas import _common as c
 from kernels_pallas._common import MASK_VALUE
 from kernels_pallas.blocked import (KEY_BLOCK, block_scores, block_values, combine_blocks,
                                     key_blocks, softmax_blocks)
-from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
-                                   store_chunks)
+from kernels_pallas._flash import (EXACT_DOT_ROWS, exact_loop, exact_program, head_dim_chunks,
+                                   load_chunks, paged_flash_loop, store_chunks)
 
 MIN_DOT_ROWS = 16  # tl.dot needs M, N, K >= 16
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200; on a GPU the device's own count is used
@@ -128,7 +128,7 @@ def top_rows(x, n: int):
 
 def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_refs,
                    plan: DecodePlan, sm_scale: float, chunks, exact: bool, interpret: bool):
-    # q_ref [dot_rows, D]; k_ref/v_ref [L*P, page_size, D] (this program's kv head);
+    # q_ref [dot_rows (EXACT_DOT_ROWS compiled exact), D]; k_ref/v_ref [L*P, page_size, D] (this program's kv head);
     # pages_ref int32 [table_blocks * pages_per_block] (this row's table); len_ref int32 [1];
     # offset_ref int32 [1] (layer * P). One split: out_refs = (o [group_rows, D] in q's dtype,).
     # Several: out_refs = (o f32 [group_rows, D] normalised, lse f32 [group_rows] log2 units).
@@ -195,6 +195,8 @@ def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, pl
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group, rows, group_rows, splits = plan.group, plan.dot_rows, plan.group_rows, plan.num_splits
+    if exact and not interpret:  # the prefill kernel's dot shape (see _flash.EXACT_DOT_ROWS)
+        rows = max(rows, EXACT_DOT_ROWS)
     width = plan.table_blocks * plan.pages_per_block
     if width != page_table.shape[1]:  # a no-op for the engine's table widths
         page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
@@ -301,7 +303,7 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,
                            shared_pages=None, sm_scale=None, backend="auto", max_kv_len=None,
                            num_sms=None,
-                           pages_per_block=None, num_splits=None, num_warps=4, num_stages=2,
+                           pages_per_block=None, num_splits=None, num_warps=None, num_stages=2,
                            exact=True):
     """Attention of one query token per sequence over its pages.
 
@@ -320,7 +322,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     the xla backend's, bit for bit, for fp32 and bf16 pools with a power-of-two head_dim
     (80 or 96 run as two chunks whose partial score dots are summed: another order) and
     pages_per_block * page_size a multiple of 64 (the default). False: flash-decoding
-    (online softmax, num_splits from `plan_decode`), faster for few long rows.
+    (online softmax, num_splits from `plan_decode`), faster for few long rows. Compiled,
+    exact=True runs the exact prefill kernel's program (`_flash.exact_program`: its warps,
+    keys per block and 64-row dots, the group zero-padded), so a token's attention has the
+    same bits decoded or prefilled; num_warps (default 4 otherwise) overrides it.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
@@ -346,10 +351,16 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     c.check_kernel_shapes(k_pages.shape[-2], q.shape[-1])
     batch, num_q_heads, head_dim = q.shape
     *_, num_kv_heads, page_size, _ = k_pages.shape
+    interpret = backend == "interpret"
+    if exact and not interpret:  # the compiled exact prefill kernel's program, dot for dot
+        warps, block_k = exact_program(head_dim)
+        num_warps = warps if num_warps is None else num_warps
+        if pages_per_block is None:
+            pages_per_block = max(1, block_k // page_size)
+    num_warps = 4 if num_warps is None else num_warps
     plan = plan_decode(batch, num_q_heads, num_kv_heads, head_dim, page_size,
                        page_table.shape[1], max_kv_len=max_kv_len, num_sms=num_sms,
                        pages_per_block=pages_per_block, num_splits=num_splits, exact=exact)
-    interpret = backend == "interpret"
     if not interpret and plan.block_k < MIN_DOT_ROWS:
         raise ValueError(
             f"pages_per_block * page_size = {plan.block_k} must be >= 16 "

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as c
-from kernels_pallas._flash import (exact_loop, head_dim_chunks, load_chunks, paged_flash_loop,
-                                   store_chunks)
+from kernels_pallas._flash import (EXACT_DOT_ROWS, exact_loop, exact_program, head_dim_chunks,
+                                   load_chunks, paged_flash_loop, store_chunks)
 from kernels_pallas.blocked import (KEY_BLOCK, MIN_QUERY_ROWS, blocked_attention,
                                     gathered_attention_backward)
 
@@ -39,11 +39,9 @@ from kernels_pallas.blocked import (KEY_BLOCK, MIN_QUERY_ROWS, blocked_attention
 PREFILL_ROWS = 64
 PREFILL_WARPS = {128: 4, 256: 8}  # head_dim up to the key -> warps
 PREFILL_BLOCK_K = {128: 64, 256: 32}
-# The exact kernel holds p and an fp32 p @ v: 4 warps spill at D=128 (255 registers, 52 B),
-# 8 warps do not (178). Interpret mode scores 64 keys per dot: XLA:CPU gives an element the
-# reference's bits only at multiples of 64 (on the GPU the block size does not change the
-# order, so D=256 keeps 32 keys: 64 spill 108 B).
-EXACT_WARPS = {64: 4, 128: 8, 256: 8}
+# The exact kernel's program: _flash.exact_program (shared with decode). Interpret mode
+# scores 64 keys per dot: XLA:CPU gives an element the reference's bits only at multiples
+# of 64.
 INTERPRET_BLOCK_K = 64
 
 
@@ -147,15 +145,18 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
         # gives other bits from M = 64 on, so the kernel's rows mirror the reference's M.
         block_q = min(_REFERENCE_BLOCK_Q, c.next_power_of_2(num_tokens))
         rows = max(MIN_QUERY_ROWS, block_q * group)
+    elif exact and block_rows is None:  # one dot shape everywhere (_flash.EXACT_DOT_ROWS)
+        rows = max(EXACT_DOT_ROWS, c.next_power_of_2(group))
+        block_q = rows // group
     else:
         rows = prefill_rows(num_tokens, group, block_rows)
         block_q = rows // group  # tokens per tile; rows past block_q * group are padding
     size_class = 128 if head_dim <= 128 else 256
     if num_warps is None:
-        num_warps = (EXACT_WARPS[64 if head_dim <= 64 else size_class] if exact
-                     else PREFILL_WARPS[size_class])
+        num_warps = exact_program(head_dim)[0] if exact else PREFILL_WARPS[size_class]
     if pages_per_block is None:
-        block_k = INTERPRET_BLOCK_K if interpret else PREFILL_BLOCK_K[size_class]
+        block_k = (INTERPRET_BLOCK_K if interpret else exact_program(head_dim)[1] if exact
+                   else PREFILL_BLOCK_K[size_class])
         pages_per_block = max(1, block_k // page_size)
     if not c.is_power_of_2(pages_per_block):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block}")

@@ -1,10 +1,13 @@
 """The Pallas kernels lower for CUDA (Triton) at a realistic serving shape, on a CPU host."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import (gathered_prefill_attention, paged_decode_attention,
                             paged_prefill_attention)
+from kernels_pallas._flash import exact_program
 from kernels_pallas.matmul import tiled_matmul
 
 B, HQ, HKV, D, PAGE, PAGES, WIDTH = 8, 32, 8, 128, 16, 1024, 128
@@ -127,3 +130,24 @@ def test_the_trainers_gathered_attention_lowers_to_the_prefill_kernel():
         q, kv, kv, blocks, visible)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "paged_prefill_attention" in text
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_exact_decode_runs_the_exact_prefill_program(head_dim):
+    """Compiled exact=True: decode takes prefill's warps (and its 64-row dots and keys per
+    block, `_flash.exact_program`), so a decoded token's attention is computed by the same
+    instructions as the trainer's prefill-kernel forward."""
+    def warps(text):
+        return set(re.findall(r"num_warps = (\d+) : i32", text))
+
+    q = jax.ShapeDtypeStruct((8, HQ, head_dim), jnp.bfloat16)
+    pool_d = jax.ShapeDtypeStruct((PAGES, HKV, PAGE, head_dim), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((8, WIDTH), jnp.int32)
+    lens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    decode = lower_for_cuda(lambda *a: paged_decode_attention(*a, backend="pallas"),
+                            q, pool_d, pool_d, table, lens)
+    prefill = lower_for_cuda(
+        lambda q, k, v, t, cu, n: paged_prefill_attention(q, k, v, t, cu, n, backend="pallas"),
+        jax.ShapeDtypeStruct((512, HQ, head_dim), jnp.bfloat16), pool_d, pool_d, table,
+        jax.ShapeDtypeStruct((9,), jnp.int32), lens)
+    assert warps(decode) == warps(prefill) == {str(exact_program(head_dim)[0])}
