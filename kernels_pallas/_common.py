@@ -1,19 +1,37 @@
 """Shared helpers for the paged-attention kernels: argument checks and backend choice."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+KERNELS_ENV = "JAXRL_CACHE_KERNELS"
+KERNEL_CHOICES = ("xla", "pallas", "interpret")
+
+
+def invariant_kernels() -> str | None:
+    """Where the batch-invariant kernels run: None (XLA's ops, the default: exact on
+    XLA:CPU), "pallas" (compiled Triton, GPU) or "interpret" (the same kernels in Pallas
+    interpret mode: CPU tests). From the environment variable JAXRL_CACHE_KERNELS, read at
+    trace time: the sampler and the trainer must trace under the same value (set it before
+    the process starts). It routes the model's projections (`models.dense`), the trainer's
+    attention (`models.llama`) and the engine's "auto" attention backend."""
+    choice = os.environ.get(KERNELS_ENV, "xla")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return None if choice == "xla" else choice
 
 
 def resolve_backend(backend: str) -> str:
-    """Maps "auto" to "pallas" on GPU and "xla" elsewhere; validates the name."""
+    """Maps "auto" to JAXRL_CACHE_KERNELS's kernels when set, else "pallas" on GPU and "xla"
+    elsewhere; validates the name."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return invariant_kernels() or ("pallas" if jax.default_backend() == "gpu" else "xla")
     return backend
 
 

@@ -128,7 +128,8 @@ def top_rows(x, n: int):
 
 def _decode_kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, offset_ref, *out_refs,
                    plan: DecodePlan, sm_scale: float, chunks, exact: bool, interpret: bool):
-    # q_ref [dot_rows (EXACT_DOT_ROWS compiled exact), D]; k_ref/v_ref [L*P, page_size, D] (this program's kv head);
+    # q_ref [dot_rows (EXACT_DOT_ROWS compiled exact), D];
+    # k_ref/v_ref [L*P, page_size, D] (this program's kv head);
     # pages_ref int32 [table_blocks * pages_per_block] (this row's table); len_ref int32 [1];
     # offset_ref int32 [1] (layer * P). One split: out_refs = (o [group_rows, D] in q's dtype,).
     # Several: out_refs = (o f32 [group_rows, D] normalised, lse f32 [group_rows] log2 units).

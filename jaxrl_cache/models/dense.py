@@ -12,23 +12,21 @@ the measured facts.
 XLA:GPU's dots have no such bound (their kernel, tiling and split-K change with the row
 count), so there the projections can run on `kernels_pallas.matmul.tiled_matmul`, one fixed
 tile program for every row count, and the trainer's attention on the sampler's own prefill
-kernel (`models.llama`): set JAXRL_CACHE_KERNELS=pallas (`invariant_kernels`). Not the
+kernel (`models.llama`): set JAXRL_CACHE_KERNELS=pallas
+(`kernels_pallas.invariant_kernels`). Not the
 default yet: no GPU has confirmed the bits (benchmarks/gpu_check.py measures them).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import invariant_kernels
 from kernels_pallas.blocked import pad_rows
 from kernels_pallas.matmul import tiled_matmul
-
-KERNELS_ENV = "JAXRL_CACHE_KERNELS"
-KERNEL_CHOICES = ("xla", "pallas", "interpret")
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 24, 32, 33, 36, 40, 48, 56, 64, 80, 96, 128)  # counts tried
 REFERENCE_ROWS = 256
@@ -59,18 +57,6 @@ def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
             break
         bound = r
     return bound
-
-
-def invariant_kernels() -> str | None:
-    """Where the batch-invariant kernels run: None (XLA's ops, the default: exact on
-    XLA:CPU), "pallas" (compiled Triton, GPU) or "interpret" (the same kernels in Pallas
-    interpret mode: CPU tests). From the environment variable JAXRL_CACHE_KERNELS, read at
-    trace time: the sampler and the trainer must trace under the same value (set it before
-    the process starts)."""
-    choice = os.environ.get(KERNELS_ENV, "xla")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    return None if choice == "xla" else choice
 
 
 def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):

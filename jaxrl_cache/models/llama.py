@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.dense import dense, invariant_kernels
+from jaxrl_cache.models.dense import dense
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import split_batch
-from kernels_pallas import (gathered_prefill_attention, paged_decode_attention,
-                            paged_prefill_attention, write_kv)
+from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
+                            paged_decode_attention, paged_prefill_attention, write_kv)
 from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention, tree_sum
 
 
@@ -186,8 +186,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     (optional, with segments): the key blocks each tile of KEY_BLOCK queries can see
     (increasing, padded with -1): attention then runs on those blocks only
     (`gathered_attention`, the same bits). Returns x [B, T, d_model] in the params' dtype.
-    Under JAXRL_CACHE_KERNELS (`dense.invariant_kernels`) attention runs on the prefill
-    kernel for plain rows and rows with kv_blocks (packed rows without them stay on XLA).
+    Under JAXRL_CACHE_KERNELS (`kernels_pallas.invariant_kernels`) attention runs on the
+    prefill kernel for plain rows and rows with kv_blocks (packed rows without them: XLA).
     """
     batch, length = tokens.shape
     if segments is None and length > config.max_seq_len:  # packed rows: positions restart
