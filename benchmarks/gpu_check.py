@@ -212,28 +212,34 @@ EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype)
 
 def check_exactness(backend, smoke, report):
     """Exact numerics on this device, per variant (engine backend x the trainer's and
-    projections' kernels, JAXRL_CACHE_KERNELS, x dtype), each in a child process (the
-    variable is read when a program is traced): see `exactness_row`. Never fails the
-    script: the numbers (and any error) go into the report."""
+    projections' kernels, JAXRL_CACHE_KERNELS, x dtype): see `exactness_row`. Each variant
+    runs in its own child process (the variable is read when a program is traced), all at
+    once (compiling is most of their time). Never fails the script: the numbers (and any
+    error) go into the report."""
     import os
     import subprocess
     import sys
+    children = []
     for engine_backend, kernels, dtype in EXACTNESS_VARIANTS:
         if smoke:  # interpret mode stands in for the compiled kernels
             engine_backend = "interpret" if engine_backend == "pallas" else engine_backend
             kernels = "interpret" if kernels == "pallas" else kernels
         row = dict(engine_backend=engine_backend, kernels=kernels, dtype=dtype)
-        env = dict(os.environ, JAXRL_CACHE_KERNELS=kernels)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.gpu_check", "--exactness-child",
+             json.dumps(dict(engine_backend=engine_backend, dtype=dtype, smoke=smoke))],
+            env=dict(os.environ, JAXRL_CACHE_KERNELS=kernels), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        children.append((row, proc))
+    for row, proc in children:
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.gpu_check", "--exactness-child",
-                 json.dumps(dict(engine_backend=engine_backend, dtype=dtype, smoke=smoke))],
-                env=env, capture_output=True, text=True, timeout=240)
-            lines = proc.stdout.strip().splitlines()
+            out, err = proc.communicate(timeout=300)
+            lines = out.strip().splitlines()
             if proc.returncode or not lines:
-                raise RuntimeError(proc.stderr.strip()[-300:])
+                raise RuntimeError(err.strip()[-300:])
             row.update(json.loads(lines[-1]))
         except Exception as e:  # noqa: BLE001 - recorded, the check answers a question
+            proc.kill()
             row.update(error=f"{type(e).__name__}: {e}"[:300])
         print("exactness", row, flush=True)
         report["exactness"].append(row)
