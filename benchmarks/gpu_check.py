@@ -12,7 +12,8 @@
     against jax.experimental.pallas.ops.gpu.paged_attention at the same shape, and the
     time of exact=False (flash-decoding) beside the exact kernel's (the cost of exactness);
 (3) causal prefill of 4k tokens, exact and exact=False, at the default and alternative
-    program shapes: TFLOP/s;
+    program shapes: TFLOP/s (and last, (5): `tiled_matmul` against XLA's dot at projection
+    shapes, the cost of batch-invariant projections);
 (4) exactness: an engine's recorded log-probs (kernels, and the xla path) against the
     trainer's teacher-forced ones (the audit's pass over plain rows, and the train step's
     gate over packed rows), bit for bit: the number of log-probs whose bits differ and the
@@ -205,6 +206,31 @@ def bench_prefill(backend, smoke, report):
         print("prefill", row, flush=True)
 
 
+MATMUL_SHAPES = (  # (rows, K, N): SmolLM2 decode and packed-training gate/up, an 8B's up
+    (64, 576, 1536), (4096, 576, 1536), (4096, 1536, 576), (64, 4096, 14336),
+    (4096, 4096, 14336))
+
+
+def bench_matmul(backend, smoke, report):
+    """The cost of batch-invariant projections: `tiled_matmul` against XLA's dot (cuBLAS or
+    XLA's Triton GEMM, TF32 allowed for fp32) at projection shapes, bf16 and fp32."""
+    from kernels_pallas.matmul import tiled_matmul
+    shapes = ((8, 64, 96),) if smoke else MATMUL_SHAPES
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for m, k, n in shapes:
+            x = jax.random.normal(jax.random.key(0), (m, k), dtype)
+            w = jax.random.normal(jax.random.key(1), (k, n), dtype)
+            ours = timed(jax.jit(functools.partial(tiled_matmul, backend=backend)), x, w,
+                         iters=10)
+            xla = timed(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+                        x, w, iters=10)
+            row = dict(rows=m, k=k, n=n, dtype=jnp.dtype(dtype).name, tiled_ms=ours * 1e3,
+                       xla_ms=xla * 1e3, cost=ours / xla,
+                       tiled_TFLOPs=2 * m * k * n / ours / 1e12)
+            report["matmul"].append(row)
+            print("matmul", row, flush=True)
+
+
 EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype)
     ("pallas", "xla", "float32"), ("xla", "xla", "float32"),
     ("pallas", "pallas", "float32"), ("pallas", "pallas", "bfloat16"))
@@ -305,7 +331,7 @@ def main():
     device = jax.devices()[0]
     report = dict(date=datetime.date.today().isoformat(), device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, backend=backend,
-                  correctness=[], exactness=[], decode=[], prefill=[])
+                  correctness=[], exactness=[], decode=[], prefill=[], matmul=[])
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +340,8 @@ def main():
         lambda: check_exactness(backend, args.smoke, report),
         lambda: report.update(copy_GBps=copy_bandwidth(args.smoke) / 1e9),
         lambda: bench_decode(backend, args.smoke, report, report["copy_GBps"] * 1e9),
-        lambda: bench_prefill(backend, args.smoke, report))
+        lambda: bench_prefill(backend, args.smoke, report),
+        lambda: bench_matmul(backend, args.smoke, report))
     for section in sections:
         section()
         report["seconds"] = time.perf_counter() - t0
@@ -356,6 +383,11 @@ def write_report(report: dict, out: pathlib.Path) -> str:
     lines += [f"        {r['tokens']:6d} {r['exact']!s:>6} {r['block_rows']!s:>7} "
               f"{r['num_warps']!s:>7} {r['ms']:7.3f} {r['TFLOPs']:8.1f}"
               for r in report["prefill"]]
+    lines += ["", "tiled_matmul (batch-invariant) vs XLA's dot",
+              "  rows     K      N  dtype      tiled ms   xla ms   cost  TFLOP/s"]
+    lines += [f"  {r['rows']:4d} {r['k']:5d} {r['n']:6d}  {r['dtype']:9s} {r['tiled_ms']:9.3f} "
+              f"{r['xla_ms']:8.3f} {r['cost']:6.2f} {r['tiled_TFLOPs']:8.1f}"
+              for r in report["matmul"]]
     text = "\n".join(lines) + "\n"
     (out / "gpu_check.txt").write_text(text)
     return text
