@@ -23,6 +23,8 @@ from jaxrl_cache.models import (ModelConfig, forward, from_pretrained, init_para
                                 load_tokenizer, save_pretrained)
 from jaxrl_cache.rl.checkpoint import latest_checkpoint_version
 from jaxrl_cache.rl.sft import pack_completions, sft_loss, sft_step
+from jaxrl_cache.app.options import KERNELS
+from kernels_pallas import KERNEL_CHOICES, KERNELS_ENV
 from tests.helpers import hold_lock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -501,6 +503,8 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
     (["--kv-pages", str(10**9)], "--kv-pages 1000000000: a KV pool"),
     pytest.param(["--backend", "pallas"], "--backend pallas runs Triton kernels on a GPU",
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
+    pytest.param(["--kernels", "pallas"], "--kernels pallas runs Triton kernels on a GPU",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
 ])
 def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     """Flags that only the job can judge (the pool for the batch, bounds) fail in one line
@@ -537,3 +541,36 @@ def test_the_kv_pool_is_sized_from_the_job(monkeypatch):
     assert demo._job_kv_pages(job, config, 129) == 17  # one sample and the null page
     fixed = demo.DemoOptions(kv_pages=40)
     assert demo._job_kv_pages(fixed, config, 129) == 40
+
+
+def test_kernels_flag_runs_the_demo_exact_on_the_invariant_kernels(tmp_path):
+    """--kernels interpret (a subprocess: the setting is read when programs trace): the warm
+    start, rollouts, audit and train step all run the batch-invariant kernels, and the step
+    gates at tolerance 0 with the sampler/trainer mismatch exactly 0."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxrl_cache.app.cli", "demo", "--kernels", "interpret",
+         "--steps", "1", "--out", str(out), *SMALL_ARGS, "--max-new-tokens", "3"],
+        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = read_rows(out)[0]
+    assert row["audit_checked_tokens"] > 0 and row["audit_tolerance"] == 0.0
+    assert row["logprob_mismatch_max"] == 0.0 and row["audit_failed"] == 0
+    assert json.loads((out / "run.json").read_text())["options"]["kernels"] == "interpret"
+
+
+def test_the_kernels_setting_is_scoped_to_the_run(monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, "xla")
+    with demo._kernels("interpret"):
+        assert os.environ[KERNELS_ENV] == "interpret"
+    assert os.environ[KERNELS_ENV] == "xla"
+    monkeypatch.delenv(KERNELS_ENV)
+    with pytest.raises(RuntimeError), demo._kernels("interpret"):
+        raise RuntimeError("a failing run")
+    assert KERNELS_ENV not in os.environ
+    with demo._kernels(None):  # not given: the environment decides
+        assert KERNELS_ENV not in os.environ
+    assert KERNELS == KERNEL_CHOICES
+    with pytest.raises(ValueError, match="--kernels must be one of"):
+        demo.DemoOptions(kernels="gpu")

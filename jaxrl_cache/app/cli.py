@@ -245,6 +245,12 @@ def _engine_arguments(add, d) -> None:
     add("--seed", type=int, default=d.seed, help="random seed in [0, 2**32-1] [%(default)s]")
     add("--backend", choices=["auto", "xla", "interpret", "pallas"], default=d.backend,
         help="attention backend [%(default)s]")
+    from jaxrl_cache.app.options import KERNELS
+    add("--kernels", choices=list(KERNELS), default=d.kernels,
+        help="batch-invariant kernels for every projection and the trainer's attention "
+             "(JAXRL_CACHE_KERNELS; pallas: the mechanism for exact numerics on a GPU, not "
+             "yet confirmed there; interpret: the same kernels on CPU, slow) [the "
+             "environment's, else xla]")
     add("--async", dest="async_rollouts", action="store_true",
         help="asynchronous RL: a rollout worker keeps generating while the trainer trains; "
              "weight updates land between decode chunks (see --kv-policy) and every token "

@@ -26,7 +26,9 @@ unless --resume or --overwrite.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import pathlib
 import signal
 import time
@@ -64,6 +66,7 @@ from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from jaxrl_cache.rollout.scheduler import pages_for
 from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
+from kernels_pallas import KERNELS_ENV
 
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 MIN_KV_PAGES = 64  # the smallest pool --kv-pages picks when not given (a synchronous step
@@ -237,6 +240,9 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
     if opts.backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"--backend pallas runs Triton kernels on a GPU; this machine runs "
                          f"{jax.default_backend()}: use auto, xla or interpret")
+    if opts.kernels == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"--kernels pallas runs Triton kernels on a GPU; this machine runs "
+                         f"{jax.default_backend()}: use xla or interpret")
 
 
 def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
@@ -418,7 +424,32 @@ def run_demo(opts: DemoOptions, *, given=None) -> dict:
     option names the caller set explicitly (the CLI: flags and --config); a --resume refuses
     those that differ from the run's (None: the options that differ from their defaults)."""
     t_start = time.perf_counter()
-    opts, run, record, task, layout = _prepare(opts, given)
+    with _kernels(opts.kernels):  # before anything traces
+        opts, run, record, task, layout = _prepare(opts, given)
+        return _run_prepared(opts, run, record, task, layout, t_start)
+
+
+@contextlib.contextmanager
+def _kernels(choice: str | None):
+    """JAXRL_CACHE_KERNELS set to `choice` for the run (None: left as it is), restored after:
+    every program of the run (engine, warm start, train steps, audit) traces under it."""
+    if choice is None:
+        yield
+        return
+    before = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = choice
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KERNELS_ENV, None)
+        else:
+            os.environ[KERNELS_ENV] = before
+
+
+def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, layout,
+                  t_start: float) -> dict:
+    """run_demo after its checks: warm start, GRPO, export, summary."""
     loaded = _load_policy(opts, run, record, task, layout)
     train = _train_config(opts, async_rollouts=opts.async_rollouts)
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions

@@ -14,6 +14,8 @@ MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
 MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_steps] outputs)
 MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
+# kernels_pallas.KERNEL_CHOICES (JAXRL_CACHE_KERNELS), spelled here: this module imports no jax
+KERNELS = ("xla", "pallas", "interpret")
 RESUMABLE = ("steps", "checkpoint_every", "eval_every", "report_to")  # may change on resume
 NOT_SETTINGS = ("resume", "overwrite", "out")  # how to run, not what: never compared
 
@@ -51,6 +53,7 @@ class DemoOptions:
     chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
     seed: int = 0
     backend: str = "auto"
+    kernels: str | None = None  # JAXRL_CACHE_KERNELS for the run (KERNELS); None: the env's
     model: str | None = None  # a local HF directory or a Hub id (models.hub.resolve_model)
     task: str | None = None  # a JSONL or JSON file of rows (data.read_rows)
     prompt_key: str = "prompt"  # the rows' prompt field (text or chat messages)
@@ -106,6 +109,8 @@ class DemoOptions:
         if self.prompts_per_step % self.rollout_calls:
             raise ValueError(f"--prompts-per-step ({self.prompts_per_step}) must be a multiple "
                              f"of --rollout-calls ({self.rollout_calls})")
+        if self.kernels not in (None,) + KERNELS:
+            raise ValueError(f"--kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.env not in (None,) + ENVS:
             raise ValueError(f"--env must be one of {ENVS}, got {self.env!r}")
         if self.env is not None and (self.task is not None or self.model is not None):
