@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one call on a lent GPU machine; about 7-9 minutes: decode is timed
+# The prepared GPU check (one call on a lent GPU machine; about 8-11 minutes: decode is timed
 # exact and exact=False, and an engine's log-probs are compared with the trainer's bit for bit,
 # with XLA's dots and with the batch-invariant kernels, JAXRL_CACHE_KERNELS=pallas).
 # Each section's results are written as soon as it ends: a timeout keeps what was measured.
@@ -15,7 +15,15 @@ if [[ "${1:-}" == "--smoke" ]]; then
     --out "${OUT:-${TMPDIR:-/tmp}/gpu_check_smoke}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 450 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}" || echo "gpu_check: exit $?"
+timeout 420 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}" || echo "gpu_check: exit $?"
+# the path users run: the built-in demo with the batch-invariant kernels, 4 GRPO steps (each
+# logs its sampler/trainer mismatch and the audit's tolerance); ~1-2 min
+RUN="${TMPDIR:-/tmp}/gpu_demo_pallas"
+rm -rf "$RUN"
+timeout 180 "$PY" -m jaxrl_cache.app.cli demo --kernels pallas --steps 4 --sft-steps 40 \
+  --out "$RUN" > "${OUT:-benchmarks/results}/gpu_demo_pallas.log" 2>&1 || echo "demo: exit $?"
+"$PY" -m benchmarks.gpu_demo_summary "$RUN" --label "demo --kernels pallas" \
+  | tee "${OUT:-benchmarks/results}/gpu_demo_pallas.txt" || true
 # which matmul formulation / XLA flags keep a row's bits at any row count (issue 33); ~1 min
-timeout 120 "$PY" -m benchmarks.row_invariance \
+timeout 90 "$PY" -m benchmarks.row_invariance \
   --json "${OUT:-benchmarks/results}/row_invariance.json" || true
