@@ -505,6 +505,8 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
     pytest.param(["--kernels", "pallas"], "--kernels pallas runs Triton kernels on a GPU",
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")),
+    (["--kernels", "interpret", "--model", str(REPO / "tests/fixtures/hf/qwen2")],
+     "need a head_dim that is a multiple of 16; this model's is 8"),
 ])
 def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     """Flags that only the job can judge (the pool for the batch, bounds) fail in one line

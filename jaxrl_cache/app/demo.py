@@ -66,7 +66,7 @@ from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 from jaxrl_cache.rollout.scheduler import pages_for
 from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
-from kernels_pallas import KERNELS_ENV
+from kernels_pallas import KERNELS_ENV, invariant_kernels
 
 PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 MIN_KV_PAGES = 64  # the smallest pool --kv-pages picks when not given (a synchronous step
@@ -243,6 +243,10 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
     if opts.kernels == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"--kernels pallas runs Triton kernels on a GPU; this machine runs "
                          f"{jax.default_backend()}: use xla or interpret")
+    if invariant_kernels() is not None and config.head_dim % 16:
+        raise ValueError(f"the batch-invariant kernels ({KERNELS_ENV}="
+                         f"{invariant_kernels()}) need a head_dim that is a multiple of 16; "
+                         f"this model's is {config.head_dim}: use xla")
 
 
 def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
