@@ -65,7 +65,7 @@ def test_tiled_matmul_refuses_bad_input():
 def test_invariant_kernels_reads_the_environment(monkeypatch):
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert invariant_kernels() is None
-    assert resolve_backend("auto") == "xla"  # this CPU
+    assert resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
     monkeypatch.setenv(KERNELS_ENV, "interpret")
     assert invariant_kernels() == "interpret"
     assert resolve_backend("auto") == "interpret"  # the engine's attention follows
