@@ -47,7 +47,8 @@ class DecodePlan:
     num_kv_heads: int
     group: int  # query heads per kv head
     group_rows: int  # next_power_of_2(group): rows of the partials and of the output tile
-    dot_rows: int  # max(16, group_rows): rows of q in the kernel (tl.dot minimum)
+    dot_rows: int  # max(16, group_rows): rows of q in the kernel (tl.dot minimum; 64 compiled
+    #                exact, set by paged_decode_attention: _flash.EXACT_DOT_ROWS)
     head_dim: int
     page_size: int
     pages_per_block: int
@@ -196,8 +197,6 @@ def _decode_pallas(q, k_pages, v_pages, page_offset, page_table, seq_lens, *, pl
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group, rows, group_rows, splits = plan.group, plan.dot_rows, plan.group_rows, plan.num_splits
-    if exact and not interpret:  # the prefill kernel's dot shape (see _flash.EXACT_DOT_ROWS)
-        rows = max(rows, EXACT_DOT_ROWS)
     width = plan.table_blocks * plan.pages_per_block
     if width != page_table.shape[1]:  # a no-op for the engine's table widths
         page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
@@ -362,6 +361,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     plan = plan_decode(batch, num_q_heads, num_kv_heads, head_dim, page_size,
                        page_table.shape[1], max_kv_len=max_kv_len, num_sms=num_sms,
                        pages_per_block=pages_per_block, num_splits=num_splits, exact=exact)
+    if exact and not interpret:  # the prefill kernel's dot shape too (_flash.EXACT_DOT_ROWS)
+        plan = dataclasses.replace(plan, dot_rows=max(plan.dot_rows, EXACT_DOT_ROWS))
     if not interpret and plan.block_k < MIN_DOT_ROWS:
         raise ValueError(
             f"pages_per_block * page_size = {plan.block_k} must be >= 16 "

@@ -576,3 +576,16 @@ def test_the_kernels_setting_is_scoped_to_the_run(monkeypatch):
     assert KERNELS == KERNEL_CHOICES
     with pytest.raises(ValueError, match="--kernels must be one of"):
         demo.DemoOptions(kernels="gpu")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU")
+def test_kernels_from_the_environment_are_checked_like_the_flag(tmp_path, capsys,
+                                                                 monkeypatch):
+    """JAXRL_CACHE_KERNELS=pallas without --kernels: the same one-line refusal off a GPU,
+    before --out is touched (not a Triton traceback from the first trace)."""
+    monkeypatch.setenv(KERNELS_ENV, "pallas")
+    out = tmp_path / "run"
+    assert cli.main(["demo", "--out", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kernels pallas runs Triton kernels on a GPU" in err and "\n" not in err, err
+    assert not out.exists()

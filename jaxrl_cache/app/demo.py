@@ -240,13 +240,15 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
     if opts.backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"--backend pallas runs Triton kernels on a GPU; this machine runs "
                          f"{jax.default_backend()}: use auto, xla or interpret")
-    if opts.kernels == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"--kernels pallas runs Triton kernels on a GPU; this machine runs "
-                         f"{jax.default_backend()}: use xla or interpret")
-    if invariant_kernels() is not None and config.head_dim % 16:
-        raise ValueError(f"the batch-invariant kernels ({KERNELS_ENV}="
-                         f"{invariant_kernels()}) need a head_dim that is a multiple of 16; "
-                         f"this model's is {config.head_dim}: use xla")
+    kernels = invariant_kernels()  # --kernels, or the environment's (run_demo set it)
+    if kernels == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"--kernels pallas runs Triton kernels on a GPU ({KERNELS_ENV}="
+                         f"pallas); this machine runs {jax.default_backend()}: use xla or "
+                         f"interpret")
+    if kernels is not None and config.head_dim % 16:
+        raise ValueError(f"the batch-invariant kernels ({KERNELS_ENV}={kernels}) need a "
+                         f"head_dim that is a multiple of 16; this model's is "
+                         f"{config.head_dim}: use xla")
 
 
 def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
