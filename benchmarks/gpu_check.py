@@ -19,7 +19,10 @@
     gate over packed rows), bit for bit: the number of log-probs whose bits differ and the
     max |diff|, with XLA's dots and with the batch-invariant kernels
     (JAXRL_CACHE_KERNELS=pallas: tiled_matmul, the trainer's attention on the prefill
-    kernel), fp32 and bf16 (exact on CPU; this answers it for the GPU; never fails).
+    kernel), fp32 and bf16, and with FMA contraction switched off (exact on CPU; this
+    answers it for the GPU; never fails). A variant that is not exact also says where the
+    bits part (`benchmarks/exactness_probe.py`: the first block whose logits differ, layer
+    0's K/V, decode vs prefill kernel, row-count effects of norm / rotary / normaliser).
 Writes gpu_check.json and gpu_check.txt into --out after every section.
 """
 from __future__ import annotations
@@ -231,9 +234,16 @@ def bench_matmul(backend, smoke, report):
             print("matmul", row, flush=True)
 
 
-EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype)
-    ("pallas", "xla", "float32"), ("xla", "xla", "float32"),
-    ("pallas", "pallas", "float32"), ("pallas", "pallas", "bfloat16"))
+EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype, XLA_FLAGS set)
+    ("pallas", "xla", "float32", ""), ("xla", "xla", "float32", ""),
+    ("pallas", "pallas", "float32", ""), ("pallas", "pallas", "bfloat16", ""),
+    ("pallas", "pallas", "float32", "no-fma-ptxas"), ("pallas", "pallas", "float32", "no-fma"))
+# XLA:GPU may contract a multiply and an add of the elementwise code (rotary, norms, the
+# sampler's warp) into one FMA in one program's fusion and not in the other's: these sets
+# switch contraction off in ptxas, and in LLVM's NVPTX backend too (GPU only)
+FLAG_SETS = {"": "", "no-fma-ptxas": "--xla_gpu_asm_extra_flags=--fmad=false",
+             "no-fma": "--xla_gpu_asm_extra_flags=--fmad=false "
+                       "--xla_backend_extra_options=-nvptx-fma-level=0"}
 
 
 def check_exactness(backend, smoke, report):
@@ -246,36 +256,47 @@ def check_exactness(backend, smoke, report):
     import subprocess
     import sys
     children = []
-    for engine_backend, kernels, dtype in EXACTNESS_VARIANTS:
-        if smoke:  # interpret mode stands in for the compiled kernels
+    for engine_backend, kernels, dtype, flags in EXACTNESS_VARIANTS:
+        if smoke:  # interpret mode stands in for the compiled kernels; no GPU flags
+            if flags:
+                continue
             engine_backend = "interpret" if engine_backend == "pallas" else engine_backend
             kernels = "interpret" if kernels == "pallas" else kernels
-        row = dict(engine_backend=engine_backend, kernels=kernels, dtype=dtype)
+        row = dict(engine_backend=engine_backend, kernels=kernels, dtype=dtype, flags=flags)
+        env = dict(os.environ, JAXRL_CACHE_KERNELS=kernels)
+        env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS", ""), FLAG_SETS[flags])))
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.gpu_check", "--exactness-child",
              json.dumps(dict(engine_backend=engine_backend, dtype=dtype, smoke=smoke))],
-            env=dict(os.environ, JAXRL_CACHE_KERNELS=kernels), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         children.append((row, proc))
+    deadline = time.monotonic() + 300
     for row, proc in children:
         try:
-            out, err = proc.communicate(timeout=300)
-            lines = out.strip().splitlines()
-            if proc.returncode or not lines:
-                raise RuntimeError(err.strip()[-300:])
-            row.update(json.loads(lines[-1]))
-        except Exception as e:  # noqa: BLE001 - recorded, the check answers a question
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # keep what it printed: the row comes first
             proc.kill()
-            row.update(error=f"{type(e).__name__}: {e}"[:300])
+            out, err = proc.communicate()
+            err = "timed out; " + err
+        # line 1: the exactness row; line 2 (when not exact): where the bits part
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if lines:
+            row.update(lines[0])
+        if len(lines) > 1:
+            row.update(probe=lines[1]["probe"], probe_summary=lines[1]["summary"])
+        if proc.returncode or len(lines) < 1 + (lines and not lines[0]["exact"]):
+            row.update(error=err.strip()[-300:])
         print("exactness", row, flush=True)
         report["exactness"].append(row)
 
 
-def exactness_row(engine_backend: str, dtype: str, smoke: bool) -> dict:
+def exactness_row(engine_backend: str, dtype: str, smoke: bool) -> tuple[dict, dict]:
     """An engine's recorded log-probs against the trainer's, bit for bit, in this process's
     JAXRL_CACHE_KERNELS: the audit's teacher-forced pass (rl.logprobs, plain rows) over two
     calls (the second reuses the cached prefix), and the GRPO train step's own gate (packed
-    rows with shared prefixes): its mismatch max and first PPO ratio (1.0 when exact)."""
+    rows with shared prefixes): its mismatch max and first PPO ratio (1.0 when exact).
+    Returns (that row, the keyword arguments of `exactness_probe.probe` for the first
+    sample)."""
     import optax
     from jaxrl_cache.models import ModelConfig, init_params
     from jaxrl_cache.rl.batch import make_batch
@@ -312,10 +333,13 @@ def exactness_row(engine_backend: str, dtype: str, smoke: bool) -> dict:
     state = TrainState.create(params, optax.adamw(1e-6), config=config)
     rewards = [float(i % 3 == 0) for i in range(len(batches[1].samples))]
     _, metrics = train_step(state, make_batch(batches[1], rewards), audit_tolerance=1.0)
-    return dict(tokens=tokens, bit_mismatches=mismatched, max_abs_diff=diffs,
-                exact=mismatched == 0, cached_tokens=batches[1].cached_tokens,
-                step_mismatch_max=float(metrics["logprob_mismatch_max"]),
-                step_ratio_max=float(metrics["ratio_max"]))
+    first = batches[0].samples[0]
+    row = dict(tokens=tokens, bit_mismatches=mismatched, max_abs_diff=diffs,
+               exact=mismatched == 0, cached_tokens=batches[1].cached_tokens,
+               step_mismatch_max=float(metrics["logprob_mismatch_max"]),
+               step_ratio_max=float(metrics["ratio_max"]))
+    return row, dict(params=params, config=config, backend=engine_backend,
+                     tokens=list(first.prompt_ids) + list(first.output_ids), sampling=sampling)
 
 
 def main():
@@ -325,7 +349,13 @@ def main():
     parser.add_argument("--exactness-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.exactness_child:  # one exactness variant (check_exactness starts it)
-        print(json.dumps(exactness_row(**json.loads(args.exactness_child))))
+        child = json.loads(args.exactness_child)
+        row, probe_args = exactness_row(**child)
+        print(json.dumps(row), flush=True)
+        if not row["exact"] or child["smoke"]:  # where the sampler's and trainer's bits part
+            from benchmarks.exactness_probe import probe, summary
+            result = probe(**probe_args)
+            print(json.dumps(dict(probe=result, summary=summary(result))), flush=True)
         return
     backend = "interpret" if args.smoke else "pallas"
     device = jax.devices()[0]
@@ -363,13 +393,17 @@ def write_report(report: dict, out: pathlib.Path) -> str:
               for c in report["correctness"]]
     lines += ["", "exactness (engine log-probs vs the trainer's, bit for bit; "
               "kernels = JAXRL_CACHE_KERNELS):"]
-    lines += [f"  engine {r['engine_backend']}, kernels {r['kernels']}, {r['dtype']}: "
-              + (r["error"] if "error" in r else
-                 f"audit {r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
-                 f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'}); "
-                 f"train step mismatch max {r['step_mismatch_max']:.2e}, ratio max "
-                 f"{r['step_ratio_max']:.7f}")
-              for r in report["exactness"]]
+    for r in report["exactness"]:
+        head = (f"  engine {r['engine_backend']}, kernels {r['kernels']}, {r['dtype']}"
+                + (f", flags {r['flags']}" if r.get("flags") else "") + ": ")
+        if "exact" in r:
+            head += (f"audit {r['bit_mismatches']} of {r['tokens']} tokens differ, max |diff| "
+                     f"{r['max_abs_diff']:.2e} ({'exact' if r['exact'] else 'NOT exact'}); "
+                     f"train step mismatch max {r['step_mismatch_max']:.2e}, ratio max "
+                     f"{r['step_ratio_max']:.7f}")
+        lines.append(head + (f" [{r['error']}]" if "error" in r else ""))
+        if "probe_summary" in r:  # where the bits part (benchmarks/exactness_probe.py)
+            lines.append(f"    where: {r['probe_summary']}")
     lines += ["", "decode (ours = exact; fast = exact=False, flash-decoding)",
               "decode   B      L   ours ms    GB/s  copy%  model us  model%   jax ms  ours/jax"
               "  fast ms  ours/fast"]
