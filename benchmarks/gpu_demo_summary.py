@@ -10,9 +10,9 @@ import argparse
 import json
 import pathlib
 
-KEYS = ("step", "audit_tolerance", "audit_floor", "audit_failed", "audit_checked_tokens",
-        "logprob_mismatch_max", "cache_hit_rate", "step_seconds", "rollout_seconds",
-        "train_seconds")
+KEYS = ("step", "audit_tolerance", "audit_floor", "audit_exact_tokens", "audit_failed",
+        "audit_checked_tokens", "logprob_mismatch_max", "cache_hit_rate", "step_seconds",
+        "rollout_seconds", "train_seconds")
 
 
 def main() -> None:

@@ -239,3 +239,49 @@ def test_an_inexact_run_calibrates_its_tolerance_at_the_first_step():
     r = grpo_step(0, _state(), FixedRollouts([("m", batch)]), None, decode=str,
                   history=_history(0)).record
     assert r["audit_tolerance"] == 0.0 and r["audit_floor"] is None
+
+
+def test_a_calibrated_run_that_keeps_exact_bits_adopts_tolerance_0(monkeypatch):
+    """A calibrated run (a GPU, a mesh) counts the tokens its steps reproduce bit for bit;
+    past rl.audit.EXACT_EVIDENCE_TOKENS with none off it compares bits, so an error far
+    under the calibrated tolerance (stale KV after a small update) is then refused, and the
+    error says why the tolerance is 0."""
+    from jaxrl_cache.rl import loop
+    batch = tasks(seed=11)
+    rollouts = InexactRollouts([("m", batch)])
+    first = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
+    per_step = first["audit_checked_tokens"]
+    assert per_step > 0 and first["audit_exact_tokens"] == per_step
+    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE  # not enough evidence yet
+    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 2 * per_step)
+    second = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert second["audit_tolerance"] == audit.CALIBRATED_TOLERANCE  # this step's gate
+    assert second["audit_exact_tokens"] == 2 * per_step and rollouts.audit_tolerance == 0.0
+    rollouts.parts = [("m", _noisy(batch, 1e-6))]  # 500x under the calibrated tolerance
+    with pytest.raises(RuntimeError, match="flagged samples") as failure:
+        grpo_step(2, _state(), rollouts, None, decode=str, history=_history(0))
+    assert "at tolerance 0" in str(failure.value)
+    assert any("reproduced all" in note for note in failure.value.__notes__)
+
+
+def test_one_difference_keeps_a_calibrated_run_calibrated(monkeypatch):
+    """A difference under the tolerance (rounding noise of an inexact sampler) ends the
+    count for the run: later exact steps do not bring tolerance 0 back."""
+    from jaxrl_cache.rl import loop
+    batch = tasks(seed=11)
+    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 1)
+    rollouts = InexactRollouts([("m", _noisy(batch, 1e-5))])
+    r = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert r["audit_exact_tokens"] == -1 and rollouts.audit_tolerance > 0
+    rollouts.parts = [("m", batch)]
+    r = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert r["audit_exact_tokens"] == -1
+    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE
+
+
+def test_exact_evidence_counts_until_the_first_difference():
+    assert audit.exact_evidence(0, 0.0, 100) == 100
+    assert audit.exact_evidence(100, 0.0, 0) == 100
+    assert audit.exact_evidence(100, 1e-9, 50) == -1
+    assert audit.exact_evidence(-1, 0.0, 50) == -1
+    assert audit.exact_evidence(10, float("inf"), 5) == -1

@@ -62,6 +62,22 @@ def tolerance_for(engine) -> float:
     return AUDIT_TOLERANCE if exact else CALIBRATED_TOLERANCE
 
 
+# A calibrated run whose steps have reproduced every checked token bit for bit, at least
+# this many of them and none off, adopts tolerance 0 for the rest of the run: its numerics
+# are exact on this device in practice (a GPU with the batch-invariant kernels, if they hold
+# there). An inexact sampler differs on most tokens (the H200 check: 1,023-1,024 of 1,024)
+# and stale KV on nearly every one it fed, so one difference ends the count for good.
+EXACT_EVIDENCE_TOKENS = 1024
+
+
+def exact_evidence(evidence: int, worst: float, checked: int) -> int:
+    """Tokens a calibrated run has seen reproduced bit for bit, after a step that checked
+    `checked` more with largest |diff| `worst`; -1 once any token differed (then for good)."""
+    if evidence < 0 or worst != 0.0:
+        return -1
+    return evidence + checked
+
+
 def calibrated(floor: float) -> float:
     """The tolerance of a non-exact run whose first step measured `floor` (the largest
     |sampler - trainer| log-prob of tokens that cannot be stale): CALIBRATION_MARGIN x floor,
@@ -214,8 +230,9 @@ def refuse(step: int, batch, report: AuditReport) -> None:
     if not report.ok:
         raise RuntimeError(f"step {step}: the attribution audit flagged samples "
                            f"{list(report.flagged)[:8]} of a call at version "
-                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g}, "
-                           f"missing versions {list(report.missing_versions)})")
+                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g} at "
+                           f"tolerance {report.tolerance:.3g}, missing versions "
+                           f"{list(report.missing_versions)})")
 
 
 def _checked_in_step(samples, version: int) -> int:

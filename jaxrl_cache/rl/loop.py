@@ -20,6 +20,7 @@ and trained on those only (`make_batch`), and the record gains episode counters.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -28,8 +29,9 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.rl.audit import (CALIBRATION_CEILING, audit_step_calls, audited_in_step,
-                                  calibrated, name_misattributed, tolerance_for)
+from jaxrl_cache.rl.audit import (CALIBRATION_CEILING, EXACT_EVIDENCE_TOKENS,
+                                  audit_step_calls, audited_in_step, calibrated, exact_evidence,
+                                  name_misattributed, tolerance_for)
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
 from jaxrl_cache.rl.rewards import Rewards
@@ -51,8 +53,12 @@ class Rollouts(Protocol):
     def close(self) -> dict: ...
 
     audit_tolerance: float  # rl.audit.tolerance_for(the engine): 0 when its bits are exact;
-    #                         otherwise grpo_step calibrates it at the first step
+    #                         otherwise grpo_step calibrates it at the first step, and sets
+    #                         it to 0 once the run has shown exact bits (audit_exact_tokens)
     audit_floor: float | None  # that step's measured sampler/trainer floor (None: not yet)
+    audit_exact_tokens: int | None  # of a calibrated run: tokens reproduced bit for bit so
+    #                                 far (-1 once one was not; rl.audit.exact_evidence);
+    #                                 None for an exact engine
 
 
 class SyncRollouts:
@@ -69,6 +75,7 @@ class SyncRollouts:
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
         self.calls, self.key, self.episodes = calls, key, episodes
         self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
+        self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
 
     def get(self, step: int, state: TrainState):
         out = []
@@ -104,6 +111,7 @@ class AsyncRollouts:
                  stop_timeout: float = 120.0, episodes: dict | None = None):
         self.calls, self.stop_timeout = calls, stop_timeout
         self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
+        self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
@@ -213,29 +221,39 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     calibrating = tolerance > 0 and getattr(rollouts, "audit_floor", None) is None
     if calibrating:  # no stale KV yet: gate at the ceiling, measure the floor (below)
         tolerance = CALIBRATION_CEILING
-    counts = audit_step_calls(step, batches, history.params, state.config, version=version,
-                              in_step=in_step, tolerance=tolerance, audit_samples=audit_samples)
-    t3 = time.perf_counter()
-    batch = make_batch(batches, rewards, advantages=advantages)
-    try:
-        new_state, metrics = train_step(
-            state, batch, train, ref_params=ref_params, mesh=mesh,
-            max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
-            audit_tolerance=tolerance if in_step else None)
-    except AttributionFailure:  # nothing was applied: name the samples, as the audit does
-        name_misattributed(step, batches, history.params, state.config, tolerance)
-        raise
+    with _measured_exact_noted(rollouts):
+        counts = audit_step_calls(step, batches, history.params, state.config,
+                                  version=version, in_step=in_step, tolerance=tolerance,
+                                  audit_samples=audit_samples)
+        t3 = time.perf_counter()
+        batch = make_batch(batches, rewards, advantages=advantages)
+        try:
+            new_state, metrics = train_step(
+                state, batch, train, ref_params=ref_params, mesh=mesh,
+                max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
+                audit_tolerance=tolerance if in_step else None)
+        except AttributionFailure:  # nothing was applied: name the samples, as the audit does
+            name_misattributed(step, batches, history.params, state.config, tolerance)
+            raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
-    if calibrating:
-        floor = max(counts.max_abs_diff,
+    if tolerance > 0:  # a calibrated run: measure its floor, count its exact tokens
+        worst = max(counts.max_abs_diff,
                     float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
-        rollouts.audit_floor, rollouts.audit_tolerance = floor, calibrated(floor)
+        if calibrating:
+            rollouts.audit_floor, rollouts.audit_tolerance = worst, calibrated(worst)
+        checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"])
+                                           if in_step else 0)
+        rollouts.audit_exact_tokens = exact_evidence(
+            getattr(rollouts, "audit_exact_tokens", 0), worst, checked)
+        if rollouts.audit_exact_tokens >= EXACT_EVIDENCE_TOKENS:
+            rollouts.audit_tolerance = 0.0  # exact in practice here: compare bits from now on
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.model_params)
     record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
-    record.update(audit_floor=getattr(rollouts, "audit_floor", None))
+    record.update(audit_floor=getattr(rollouts, "audit_floor", None),
+                  audit_exact_tokens=getattr(rollouts, "audit_exact_tokens", None))
     record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
     record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
                   train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
@@ -244,6 +262,24 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     if any(isinstance(b, EpisodeBatch) for b in batches):
         record.update(_episode_counters(batches), episodes_untrainable=untrainable)
     return StepResult(new_state, record, texts, ack)
+
+
+@contextlib.contextmanager
+def _measured_exact_noted(rollouts):
+    """A RuntimeError of the audit in a run that adopted tolerance 0 by measurement gets a
+    note saying so (its samples are stale, or this device's numerics are not exact after
+    all)."""
+    try:
+        yield
+    except RuntimeError as e:
+        evidence = getattr(rollouts, "audit_exact_tokens", -1)
+        if evidence >= EXACT_EVIDENCE_TOKENS:
+            e.add_note(f"The audit compares bits here because this run's earlier steps "
+                       f"reproduced all {evidence} tokens they checked bit for bit (calibrated "
+                       f"runs adopt tolerance 0 after {EXACT_EVIDENCE_TOKENS}): these samples "
+                       f"were produced with stale KV, or this device's numerics are not "
+                       f"exact after all.")
+        raise
 
 
 def _trainable(step: int, parts: list) -> tuple[list, int]:
