@@ -13,13 +13,14 @@
     time of exact=False (flash-decoding) beside the exact kernel's (the cost of exactness);
 (3) causal prefill of 4k tokens, exact and exact=False, at the default and alternative
     program shapes: TFLOP/s (and last, (5): `tiled_matmul` against XLA's dot at projection
-    shapes, the cost of batch-invariant projections);
+    shapes, and `log_sum_exp` against XLA's logsumexp: the cost of the batch-invariant
+    kernels);
 (4) exactness: an engine's recorded log-probs (kernels, and the xla path) against the
     trainer's teacher-forced ones (the audit's pass over plain rows, and the train step's
     gate over packed rows), bit for bit: the number of log-probs whose bits differ and the
     max |diff|, with XLA's dots and with the batch-invariant kernels
     (JAXRL_CACHE_KERNELS=pallas: tiled_matmul, the trainer's attention on the prefill
-    kernel), fp32 and bf16, and with FMA contraction switched off (exact on CPU; this
+    kernel, log_sum_exp), fp32 and bf16, and with FMA contraction switched off (exact on CPU; this
     answers it for the GPU; never fails). A variant that is not exact also says where the
     bits part (`benchmarks/exactness_probe.py`: the first block whose logits differ, layer
     0's K/V, decode vs prefill kernel, row-count effects of norm / rotary / normaliser).
@@ -232,6 +233,23 @@ def bench_matmul(backend, smoke, report):
                        tiled_TFLOPs=2 * m * k * n / ours / 1e12)
             report["matmul"].append(row)
             print("matmul", row, flush=True)
+    bench_normaliser(backend, smoke, report)
+
+
+def bench_normaliser(backend, smoke, report):
+    """The cost of the batch-invariant log-softmax normaliser: `log_sum_exp` (one program
+    per 16 rows) against XLA's logsumexp, at decode and training row counts (SmolLM2's and
+    Llama-3's vocabularies)."""
+    from kernels_pallas.normaliser import log_sum_exp
+    shapes = ((8, 300),) if smoke else ((64, 49152), (4096, 49152), (64, 128256), (4096, 128256))
+    for m, v in shapes:
+        x = jax.random.normal(jax.random.key(0), (m, v), jnp.float32)
+        ours = timed(jax.jit(functools.partial(log_sum_exp, backend=backend)), x, iters=10)
+        xla = timed(jax.jit(lambda a: jax.nn.logsumexp(a, axis=-1)), x, iters=10)
+        row = dict(rows=m, vocab=v, kernel_ms=ours * 1e3, xla_ms=xla * 1e3, cost=ours / xla,
+                   GBps=x.nbytes * 2 / ours / 1e9)  # the kernel reads x twice
+        report["normaliser"].append(row)
+        print("normaliser", row, flush=True)
 
 
 EXACTNESS_VARIANTS = (  # (engine backend, JAXRL_CACHE_KERNELS, model dtype, XLA_FLAGS set)
@@ -361,7 +379,8 @@ def main():
     device = jax.devices()[0]
     report = dict(date=datetime.date.today().isoformat(), device=device.device_kind,
                   platform=device.platform, jax=jax.__version__, backend=backend,
-                  correctness=[], exactness=[], decode=[], prefill=[], matmul=[])
+                  correctness=[], exactness=[], decode=[], prefill=[], matmul=[],
+                  normaliser=[])
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -422,6 +441,10 @@ def write_report(report: dict, out: pathlib.Path) -> str:
     lines += [f"  {r['rows']:4d} {r['k']:5d} {r['n']:6d}  {r['dtype']:9s} {r['tiled_ms']:9.3f} "
               f"{r['xla_ms']:8.3f} {r['cost']:6.2f} {r['tiled_TFLOPs']:8.1f}"
               for r in report["matmul"]]
+    lines += ["", "log_sum_exp (batch-invariant normaliser) vs XLA's logsumexp",
+              "  rows   vocab  kernel ms   xla ms   cost   GB/s"]
+    lines += [f"  {r['rows']:4d} {r['vocab']:7d} {r['kernel_ms']:10.3f} {r['xla_ms']:8.3f} "
+              f"{r['cost']:6.2f} {r['GBps']:6.0f}" for r in report.get("normaliser", [])]
     text = "\n".join(lines) + "\n"
     (out / "gpu_check.txt").write_text(text)
     return text

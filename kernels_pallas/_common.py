@@ -18,7 +18,8 @@ def invariant_kernels() -> str | None:
     interpret mode: CPU tests). From the environment variable JAXRL_CACHE_KERNELS, read at
     trace time: the sampler and the trainer must trace under the same value (set it before
     the process starts). It routes the model's projections (`models.dense`), the trainer's
-    attention (`models.llama`) and the engine's "auto" attention backend."""
+    attention (`models.llama`), the log-softmax normaliser of every log-prob
+    (`rollout.sampling.log_normaliser`) and the engine's "auto" attention backend."""
     choice = os.environ.get(KERNELS_ENV, "xla")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")

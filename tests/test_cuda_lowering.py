@@ -9,6 +9,7 @@ from kernels_pallas import (gathered_prefill_attention, paged_decode_attention,
                             paged_prefill_attention)
 from kernels_pallas._flash import exact_program
 from kernels_pallas.matmul import tiled_matmul
+from kernels_pallas.normaliser import log_sum_exp
 
 B, HQ, HKV, D, PAGE, PAGES, WIDTH = 8, 32, 8, 128, 16, 1024, 128
 ODD_PAGES = 1000  # real pools need not hold a power-of-two number of pages
@@ -117,6 +118,16 @@ def test_the_tiled_matmul_lowers_to_one_triton_kernel(dtype, k, n, rows_out):
                           jax.ShapeDtypeStruct(w_shape, dtype))
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "tiled_matmul" in text
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 40, 700)])
+def test_the_log_sum_exp_kernel_lowers_to_one_triton_kernel(shape):
+    """rollout.sampling.log_normaliser on a GPU under JAXRL_CACHE_KERNELS=pallas (SmolLM2's
+    vocabulary; a leading shape and a vocabulary that need padding), with its backward."""
+    text = lower_for_cuda(jax.value_and_grad(lambda x: log_sum_exp(x).sum()),
+                          jax.ShapeDtypeStruct(shape, jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "log_sum_exp" in text
 
 
 def test_the_trainers_gathered_attention_lowers_to_the_prefill_kernel():

@@ -17,6 +17,7 @@ from kernels_pallas import (KERNELS_ENV, gathered_prefill_attention, invariant_k
                             resolve_backend)
 from kernels_pallas.blocked import KEY_BLOCK, gathered_attention
 from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
+from kernels_pallas.normaliser import BLOCK_ROWS, BLOCK_V, log_sum_exp
 
 RNG = np.random.default_rng(0)
 
@@ -60,6 +61,70 @@ def test_tiled_matmul_refuses_bad_input():
         tiled_matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), backend="xla")
     with pytest.raises(ValueError, match="contract"):
         tiled_matmul(jnp.ones((2, 3)), jnp.ones((4, 5)), backend="interpret")
+
+
+def _logits(rows: int, vocab: int, seed: int = 0):
+    """f32 [rows, vocab] logits with some entries (and one whole row) excluded (-inf)."""
+    rng = np.random.default_rng(seed)
+    x = 4 * rng.standard_normal((rows, vocab)).astype(np.float32)
+    x[1, : vocab - 3] = -np.inf  # a top-k-filtered row: 3 tokens left
+    x[2] = -np.inf  # nothing left
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("vocab", [BLOCK_V, 700, 40])
+def test_log_sum_exp_is_the_normaliser_and_its_rows_ignore_the_batch(vocab):
+    """numpy's log-sum-exp within fp32 rounding (-inf for a row with nothing left); each
+    row's bits are the same among 1, 3, 17 or 64 rows as among 133 (one program per
+    BLOCK_ROWS rows, the vocabulary walked in BLOCK_V columns whatever the row count)."""
+    x = _logits(133, vocab)
+    lse = jax.jit(lambda a: log_sum_exp(a, backend="interpret"))
+    full = np.asarray(lse(x))
+    xs = np.asarray(x, np.float64)
+    top = np.max(xs, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = (top[:, 0] + np.log(np.exp(xs - np.where(np.isfinite(top), top, 0)).sum(1))
+                - np.where(np.isfinite(top[:, 0]), 0, top[:, 0]))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(full[finite], want[finite], rtol=2e-6, atol=2e-6)
+    assert full[2] == -np.inf and finite.sum() == 132
+    for rows in (1, 3, 17, 64):
+        assert np.array_equal(np.asarray(lse(x[:rows])), full[:rows]), rows
+    assert log_sum_exp(x.reshape(7, 19, vocab), backend="interpret").shape == (7, 19)
+
+
+def test_log_sum_exp_gradient_is_the_softmax():
+    x = _logits(5, 300)
+    g = jax.grad(lambda a: (log_sum_exp(a, backend="interpret")[jnp.array([0, 1, 3])]
+                            * jnp.array([1.0, 2.0, -1.0])).sum())(x)
+    want = np.zeros((5, 300), np.float32)
+    for row, weight in zip((0, 1, 3), (1.0, 2.0, -1.0)):
+        want[row] = weight * np.asarray(jax.nn.softmax(x[row]))
+    np.testing.assert_allclose(np.asarray(g), want, atol=1e-6)
+
+
+def test_log_sum_exp_refuses_bad_input():
+    with pytest.raises(ValueError, match="backend"):
+        log_sum_exp(jnp.zeros((2, 8)), backend="xla")
+    with pytest.raises(ValueError, match="V > 0"):
+        log_sum_exp(jnp.zeros((2, 0)), backend="interpret")
+    assert log_sum_exp(jnp.zeros((0, 8)), backend="interpret").shape == (0,)
+    assert BLOCK_ROWS >= 1
+
+
+def test_the_samplers_normaliser_runs_on_the_kernel_under_the_setting(monkeypatch):
+    """rollout.sampling.log_normaliser (every recorded and recomputed log-prob) is
+    log_sum_exp's program under JAXRL_CACHE_KERNELS, its tree form otherwise."""
+    from jaxrl_cache.rollout.sampling import log_normaliser
+    x = _logits(9, 200, seed=3)
+    monkeypatch.setenv(KERNELS_ENV, "interpret")
+    assert np.array_equal(np.asarray(log_normaliser(x)),
+                          np.asarray(log_sum_exp(x, backend="interpret")))
+    monkeypatch.setenv(KERNELS_ENV, "xla")
+    tree = np.asarray(log_normaliser(x))
+    finite = np.isfinite(tree)
+    np.testing.assert_allclose(tree[finite], np.asarray(log_sum_exp(x, backend="interpret"))[finite],
+                               rtol=2e-6, atol=2e-6)
 
 
 def test_invariant_kernels_reads_the_environment(monkeypatch):

@@ -11,8 +11,9 @@ the measured facts.
 
 XLA:GPU's dots have no such bound (their kernel, tiling and split-K change with the row
 count), so there the projections can run on `kernels_pallas.matmul.tiled_matmul`, one fixed
-tile program for every row count, and the trainer's attention on the sampler's own prefill
-kernel (`models.llama`): JAXRL_CACHE_KERNELS=pallas (`kernels_pallas.invariant_kernels`).
+tile program for every row count, the trainer's attention on the sampler's own prefill
+kernel (`models.llama`) and the log-softmax normaliser on `kernels_pallas.log_sum_exp`:
+JAXRL_CACHE_KERNELS=pallas (`kernels_pallas.invariant_kernels`).
 Not the default yet: no GPU has confirmed the bits (benchmarks/gpu_check.py measures them).
 """
 from __future__ import annotations

@@ -16,7 +16,9 @@ import numpy as np
 
 from jaxrl_cache.checks import as_bool, as_count, as_real
 from jaxrl_cache.spmd import per_batch_shard
+from kernels_pallas import invariant_kernels
 from kernels_pallas.blocked import tree_sum
+from kernels_pallas.normaliser import log_sum_exp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,12 @@ TOP_K_CAP = 256  # top_k up to this uses lax.top_k; larger k falls back to a ful
 def log_normaliser(warped):
     """warped f32 [..., V] (-inf = excluded) -> log sum exp over V [...], in one fixed order
     (max, then a halving tree of exp(x - max), `tree_sum`) whatever the leading shape: the
-    sampler's recorded log-probs and the trainer's teacher-forced ones share these bits."""
+    sampler's recorded log-probs and the trainer's teacher-forced ones share these bits.
+    Under JAXRL_CACHE_KERNELS: `kernels_pallas.log_sum_exp`, one fixed kernel program (XLA:GPU
+    may fuse the jnp form differently per program)."""
+    kernels = invariant_kernels()
+    if kernels is not None:
+        return log_sum_exp(warped, backend=kernels)
     top = jax.lax.stop_gradient(jnp.max(warped, axis=-1, keepdims=True))
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     return top[..., 0] + jnp.log(tree_sum(jnp.exp(warped - top), -1))
