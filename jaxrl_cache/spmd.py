@@ -2,8 +2,9 @@
 
 `rl.train.train_step(mesh=...)` traces the train step under its data x fsdp mesh. There XLA's
 SPMD partitioner, left alone, moves activations instead of gathering params inside the
-stacked-layer scan, and replicates `lax.top_k` (gathering whole-batch logits). These two
-helpers keep the leading (batch) dim split. Without a mesh, on one device, and inside
+stacked-layer scan, and replicates `lax.top_k` and every Pallas kernel (a custom call it
+cannot split: whole-batch activations gathered onto every device). These two helpers keep
+the leading (batch) dim split. Without a mesh, on one device, and inside
 shard_map bodies (the engine's tensor-parallel forwards: their axes are manual) they return
 their input unchanged, so single-device programs are the same programs.
 """
@@ -30,11 +31,20 @@ def split_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(axes)) if axes else x
 
 
-def per_batch_shard(f: Callable, x: jax.Array) -> jax.Array:
-    """f(x) for a row-wise f ([B, ...] -> [B, ...], rows independent), run per batch shard
-    under shard_map when the mesh splits B; f(x) otherwise. B must divide by the batch axes'
-    size (packed rows do: train_step pads them to a multiple)."""
+def per_batch_shard(f: Callable, *xs: jax.Array):
+    """f(*xs) for a row-wise f (each x [B, ...], outputs [B, ...], rows independent), run
+    per batch shard under shard_map when the mesh splits B; f(*xs) otherwise, and also
+    when B does not divide by the batch axes' size (train_step's packed rows do: it pads
+    them to a multiple). Values f closes over are replicated into every shard."""
     axes = batch_axes()
     if not axes:
-        return f(x)
-    return jax.shard_map(f, in_specs=P(axes), out_specs=P(axes))(x)
+        return f(*xs)
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    if any(x.ndim == 0 or x.shape[0] % size for x in xs):
+        return f(*xs)
+    # check_vma off: a Pallas call's outputs carry no varying-axes type
+    return jax.shard_map(f, in_specs=(P(axes),) * len(xs), out_specs=P(axes),
+                         check_vma=False)(*xs)

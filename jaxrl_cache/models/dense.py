@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_cache.spmd import per_batch_shard
 from kernels_pallas import invariant_kernels
 from kernels_pallas.blocked import pad_rows
 from kernels_pallas.matmul import tiled_matmul
@@ -73,8 +74,9 @@ def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     kernels = invariant_kernels()
-    if kernels is not None:
-        out = tiled_matmul(rows, w, w_rows_out=w_rows_out, backend=kernels)
+    if kernels is not None:  # per batch shard under a training mesh (a custom call)
+        out = per_batch_shard(
+            lambda r: tiled_matmul(r, w, w_rows_out=w_rows_out, backend=kernels), rows)
         return out.reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
     if rows.shape[0] < FALLBACK_ROWS:
         n = w.shape[0] if w_rows_out else w.shape[1]

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.dense import dense
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
-from jaxrl_cache.spmd import split_batch
+from jaxrl_cache.spmd import per_batch_shard, split_batch
 from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
                             paged_decode_attention, paged_prefill_attention, write_kv)
 from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention, tree_sum
@@ -264,9 +264,12 @@ def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
     kernels = invariant_kernels()
     if kernels is None:
         gathered = gathered_attention
-    else:  # the sampler's prefill kernel (a GPU's dots are not batch-invariant)
-        def gathered(*args):
-            return gathered_prefill_attention(*args, kernels)
+    else:  # the sampler's prefill kernel (a GPU's dots are not batch-invariant), per
+        #     batch shard under a training mesh (a custom call the partitioner cannot split)
+        def gathered(q, k, v, blocks, visible, scale):
+            return per_batch_shard(
+                lambda *args: gathered_prefill_attention(*args, scale, kernels),
+                q, k, v, blocks, visible)
 
     def attend(_, q, k, v, kv_cache):
         qg = q.reshape(batch, nq, KEY_BLOCK, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)

@@ -85,8 +85,9 @@ def log_normaliser(warped):
     Under JAXRL_CACHE_KERNELS: `kernels_pallas.log_sum_exp`, one fixed kernel program (XLA:GPU
     may fuse the jnp form differently per program)."""
     kernels = invariant_kernels()
-    if kernels is not None:
-        return log_sum_exp(warped, backend=kernels)
+    if kernels is not None:  # per batch shard under a training mesh (a custom call)
+        lse = lambda a: log_sum_exp(a, backend=kernels)  # noqa: E731
+        return per_batch_shard(lse, warped) if warped.ndim > 1 else lse(warped)
     top = jax.lax.stop_gradient(jnp.max(warped, axis=-1, keepdims=True))
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     return top[..., 0] + jnp.log(tree_sum(jnp.exp(warped - top), -1))
