@@ -18,11 +18,12 @@ if [[ "${1:-}" == "--smoke" ]]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout 390 "$PY" -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}" || echo "gpu_check: exit $?"
-# the path users run: the built-in demo with the batch-invariant kernels, 4 GRPO steps (each
-# logs its sampler/trainer mismatch and the audit's tolerance); ~1-2 min
+# the path users run: the built-in demo with the batch-invariant kernels, 6 GRPO steps (each
+# logs its sampler/trainer mismatch and the audit's tolerance; ~320 audited tokens a step, so
+# if every bit reproduces, the run adopts tolerance 0 after step 3: audit_exact_tokens); ~2 min
 RUN="${TMPDIR:-/tmp}/gpu_demo_pallas"
 rm -rf "$RUN"
-timeout 120 "$PY" -m jaxrl_cache.app.cli demo --kernels pallas --steps 4 --sft-steps 40 \
+timeout 120 "$PY" -m jaxrl_cache.app.cli demo --kernels pallas --steps 6 --sft-steps 40 \
   --out "$RUN" > "${OUT:-benchmarks/results}/gpu_demo_pallas.log" 2>&1 || echo "demo: exit $?"
 "$PY" -m benchmarks.gpu_demo_summary "$RUN" --label "demo --kernels pallas" \
   | tee "${OUT:-benchmarks/results}/gpu_demo_pallas.txt" || true

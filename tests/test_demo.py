@@ -562,6 +562,26 @@ def test_kernels_flag_runs_the_demo_exact_on_the_invariant_kernels(tmp_path):
     assert json.loads((out / "run.json").read_text())["options"]["kernels"] == "interpret"
 
 
+def test_a_calibrated_demo_run_compares_bits_once_it_has_shown_exact_numerics(tmp_path,
+                                                                             monkeypatch):
+    """An engine the library cannot vouch for (a GPU's: tolerance_for says calibrated) whose
+    numerics are exact in fact: the first step gates at the ceiling, and once the audited
+    tokens reproduced bit for bit reach the evidence bound (lowered here from 1,024), the
+    run gates at 0, recorded per step in metrics.jsonl."""
+    from jaxrl_cache.rl import audit, loop
+    monkeypatch.setattr(loop, "tolerance_for", lambda engine: audit.CALIBRATED_TOLERANCE)
+    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 1)
+    out = tmp_path / "run"
+    demo.run_demo(demo.DemoOptions(out=str(out), **SMALL))
+    rows = read_rows(out)
+    assert [r["audit_tolerance"] for r in rows] == [audit.CALIBRATION_CEILING, 0.0, 0.0]
+    counts = [r["audit_exact_tokens"] for r in rows]
+    assert counts[0] == rows[0]["audit_checked_tokens"] > 0
+    assert counts == list(np.cumsum([r["audit_checked_tokens"] for r in rows]))
+    assert all(r["logprob_mismatch_max"] == 0.0 and r["audit_failed"] == 0 for r in rows)
+    assert rows[0]["audit_floor"] == 0.0
+
+
 def test_the_kernels_setting_is_scoped_to_the_run(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "xla")
     with demo._kernels("interpret"):

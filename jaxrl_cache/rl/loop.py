@@ -236,15 +236,15 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
             name_misattributed(step, batches, history.params, state.config, tolerance)
             raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
-    if tolerance > 0:  # a calibrated run: measure its floor, count its exact tokens
+    evidence = getattr(rollouts, "audit_exact_tokens", None)
+    if tolerance > 0 or evidence is not None:  # a calibrated run (also once it gates at 0)
         worst = max(counts.max_abs_diff,
                     float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
         if calibrating:
             rollouts.audit_floor, rollouts.audit_tolerance = worst, calibrated(worst)
         checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"])
                                            if in_step else 0)
-        rollouts.audit_exact_tokens = exact_evidence(
-            getattr(rollouts, "audit_exact_tokens", 0), worst, checked)
+        rollouts.audit_exact_tokens = exact_evidence(evidence or 0, worst, checked)
         if rollouts.audit_exact_tokens >= EXACT_EVIDENCE_TOKENS:
             rollouts.audit_tolerance = 0.0  # exact in practice here: compare bits from now on
     t4 = time.perf_counter()
