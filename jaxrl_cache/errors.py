@@ -17,6 +17,12 @@ class PinnedPagesError(RuntimeError):
     """Invalidation refused: live requests still hold pages of the versions to drop."""
 
 
+class AuditError(RuntimeError):
+    """The attribution audit flagged samples (rl/audit.py `refuse`): their recorded log-probs
+    are not the ones the params of their version give; the message names them. Nothing was
+    trained on them."""
+
+
 class RewardError(ValueError):
     """A reward function raised, timed out, or gave a wrong count or a non-finite value
     (rl/rewards.py); one line naming the step, the function and the sample. Nothing was

@@ -10,6 +10,7 @@ their input unchanged, so single-device programs are the same programs.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import jax
@@ -44,6 +45,9 @@ def per_batch_shard(f: Callable, *xs: jax.Array):
     for a in axes:
         size *= mesh.shape[a]
     if any(x.ndim == 0 or x.shape[0] % size for x in xs):
+        warnings.warn(f"per_batch_shard: leading dims {[x.shape[:1] for x in xs]} do not "
+                      f"divide by the batch axes' {size} devices: f runs on the whole batch "
+                      f"(gathered onto every device)", stacklevel=2)
         return f(*xs)
     # check_vma off: a Pallas call's outputs carry no varying-axes type
     return jax.shard_map(f, in_specs=(P(axes),) * len(xs), out_specs=P(axes),

@@ -570,7 +570,9 @@ def test_a_calibrated_demo_run_compares_bits_once_it_has_shown_exact_numerics(tm
     run gates at 0, recorded per step in metrics.jsonl."""
     from jaxrl_cache.rl import audit, loop
     monkeypatch.setattr(loop, "tolerance_for", lambda engine: audit.CALIBRATED_TOLERANCE)
-    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 1)
+    init = loop.SyncRollouts.__init__
+    monkeypatch.setattr(loop.SyncRollouts, "__init__",
+                        lambda self, *a, **k: init(self, *a, **dict(k, exact_after=1)))
     out = tmp_path / "run"
     demo.run_demo(demo.DemoOptions(out=str(out), **SMALL))
     rows = read_rows(out)

@@ -262,6 +262,33 @@ def test_a_calibrated_run_that_keeps_exact_bits_adopts_tolerance_0(monkeypatch):
         grpo_step(2, _state(), rollouts, None, decode=str, history=_history(0))
     assert "at tolerance 0" in str(failure.value)
     assert any("reproduced all" in note for note in failure.value.__notes__)
+    assert rollouts.audit_exact_tokens == -1 and rollouts.audit_tolerance == 0.0  # ended
+
+
+def test_exact_after_none_keeps_a_calibrated_run_calibrated():
+    batch = tasks(seed=11)
+    rollouts = InexactRollouts([("m", batch)])
+    rollouts.audit_exact_after = None  # SyncRollouts(..., exact_after=None)
+    for step in range(3):
+        r = grpo_step(step, _state(), rollouts, None, decode=str, history=_history(0)).record
+    assert r["audit_exact_tokens"] == 3 * r["audit_checked_tokens"] > 0
+    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE
+
+
+def test_an_exact_engines_audit_failure_is_the_audit_error():
+    """An exact engine's rollouts (tolerance 0, no count: audit_exact_tokens None) flag a
+    sample off by 1e-6 with the audit's own error, nothing else."""
+    from jaxrl_cache.errors import AuditError
+    from jaxrl_cache.rl.loop import SyncRollouts
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=16, page_size=4))
+    sync = SyncRollouts(engine, None, SamplingParams(), calls=1, key=jax.random.key(0))
+    assert sync.audit_tolerance == 0.0 and sync.audit_exact_tokens is None
+
+    class ExactRollouts(FixedRollouts):
+        audit_tolerance, audit_floor, audit_exact_tokens = 0.0, None, None
+    with pytest.raises(AuditError, match="flagged samples"):
+        grpo_step(0, _state(), ExactRollouts([("m", _noisy(tasks(seed=11), 1e-6))]), None,
+                  decode=str, history=_history(0))
 
 
 def test_one_difference_keeps_a_calibrated_run_calibrated(monkeypatch):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache.checks import as_real
+from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rollout.types import EpisodeBatch, RolloutBatch
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
@@ -226,9 +227,9 @@ def audited_in_step(train) -> bool:
 
 
 def refuse(step: int, batch, report: AuditReport) -> None:
-    """RuntimeError naming the flagged samples of a call, if any."""
+    """AuditError (a RuntimeError) naming the flagged samples of a call, if any."""
     if not report.ok:
-        raise RuntimeError(f"step {step}: the attribution audit flagged samples "
+        raise AuditError(f"step {step}: the attribution audit flagged samples "
                            f"{list(report.flagged)[:8]} of a call at version "
                            f"{batch.version} (max |diff| {report.max_abs_diff:.3g} at "
                            f"tolerance {report.tolerance:.3g}, missing versions "

@@ -32,6 +32,7 @@ import numpy as np
 from jaxrl_cache.rl.audit import (CALIBRATION_CEILING, EXACT_EVIDENCE_TOKENS,
                                   audit_step_calls, audited_in_step, calibrated, exact_evidence,
                                   name_misattributed, tolerance_for)
+from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
 from jaxrl_cache.rl.rewards import Rewards
@@ -59,6 +60,8 @@ class Rollouts(Protocol):
     audit_exact_tokens: int | None  # of a calibrated run: tokens reproduced bit for bit so
     #                                 far (-1 once one was not; rl.audit.exact_evidence);
     #                                 None for an exact engine
+    audit_exact_after: int | None  # the count from which a calibrated run gates at 0
+    #                                (rl.audit.EXACT_EVIDENCE_TOKENS; None: never)
 
 
 class SyncRollouts:
@@ -71,11 +74,13 @@ class SyncRollouts:
     the prompts are then tasks and each call an episode call."""
 
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int, key,
-                 episodes: dict | None = None):
+                 episodes: dict | None = None,
+                 exact_after: int | None = EXACT_EVIDENCE_TOKENS):
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
         self.calls, self.key, self.episodes = calls, key, episodes
         self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
         self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
+        self.audit_exact_after = exact_after
 
     def get(self, step: int, state: TrainState):
         out = []
@@ -108,10 +113,12 @@ class AsyncRollouts:
 
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
-                 stop_timeout: float = 120.0, episodes: dict | None = None):
+                 stop_timeout: float = 120.0, episodes: dict | None = None,
+                 exact_after: int | None = EXACT_EVIDENCE_TOKENS):
         self.calls, self.stop_timeout = calls, stop_timeout
         self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
         self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
+        self.audit_exact_after = exact_after
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
@@ -236,22 +243,22 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
             name_misattributed(step, batches, history.params, state.config, tolerance)
             raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
+    checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"]) if in_step else 0)
     evidence = getattr(rollouts, "audit_exact_tokens", None)
     if tolerance > 0 or evidence is not None:  # a calibrated run (also once it gates at 0)
         worst = max(counts.max_abs_diff,
                     float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
         if calibrating:
             rollouts.audit_floor, rollouts.audit_tolerance = worst, calibrated(worst)
-        checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"])
-                                           if in_step else 0)
         rollouts.audit_exact_tokens = exact_evidence(evidence or 0, worst, checked)
-        if rollouts.audit_exact_tokens >= EXACT_EVIDENCE_TOKENS:
+        bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
+        if bound is not None and rollouts.audit_exact_tokens >= bound:
             rollouts.audit_tolerance = 0.0  # exact in practice here: compare bits from now on
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.model_params)
-    record = _record(step, version, ack, rewards, batches, metrics, counts, tolerance, in_step)
+    record = _record(step, version, ack, rewards, batches, metrics, counts, checked, tolerance)
     record.update(audit_floor=getattr(rollouts, "audit_floor", None),
                   audit_exact_tokens=getattr(rollouts, "audit_exact_tokens", None))
     record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
@@ -266,19 +273,21 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
 
 @contextlib.contextmanager
 def _measured_exact_noted(rollouts):
-    """A RuntimeError of the audit in a run that adopted tolerance 0 by measurement gets a
-    note saying so (its samples are stale, or this device's numerics are not exact after
-    all)."""
+    """An audit failure in a run that gates at 0 by measurement (`audit_exact_after`) gets
+    a note saying so (its samples are stale, or this device's numerics are not exact after
+    all), and ends the run's count (-1): the tolerance stays 0."""
     try:
         yield
-    except RuntimeError as e:
-        evidence = getattr(rollouts, "audit_exact_tokens", -1)
-        if evidence >= EXACT_EVIDENCE_TOKENS:
+    except (AuditError, AttributionFailure) as e:
+        evidence = getattr(rollouts, "audit_exact_tokens", None)
+        bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
+        if evidence is not None and bound is not None and evidence >= bound:
+            rollouts.audit_exact_tokens = -1
             e.add_note(f"The audit compares bits here because this run's earlier steps "
-                       f"reproduced all {evidence} tokens they checked bit for bit (calibrated "
-                       f"runs adopt tolerance 0 after {EXACT_EVIDENCE_TOKENS}): these samples "
-                       f"were produced with stale KV, or this device's numerics are not "
-                       f"exact after all.")
+                       f"reproduced all {evidence} tokens they checked bit for bit (a "
+                       f"calibrated run gates at 0 from {bound} on; Sync/AsyncRollouts("
+                       f"exact_after=None) turns that off): these samples were produced with "
+                       f"stale KV, or this device's numerics are not exact after all.")
         raise
 
 
@@ -299,11 +308,10 @@ def _trainable(step: int, parts: list) -> tuple[list, int]:
 
 
 def _record(step: int, version: int, ack: WeightAck, rewards: list, batches: list,
-            metrics: dict, counts, tolerance: float, in_step: bool) -> dict:
+            metrics: dict, counts, checked: int, tolerance: float) -> dict:
     """The step's metrics row (host numbers; the caller adds the phase seconds and the
     health fields); every field is documented in docs/api.md ("Step metrics and sinks")."""
     context = sum(b.prompt_tokens for b in batches)
-    checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"]) if in_step else 0)
     return dict(
         step=step, version=version, next_version=ack.version,
         reward=float(np.mean(rewards)), samples=len(rewards),

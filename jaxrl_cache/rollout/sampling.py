@@ -80,10 +80,11 @@ TOP_K_CAP = 256  # top_k up to this uses lax.top_k; larger k falls back to a ful
 
 def log_normaliser(warped):
     """warped f32 [..., V] (-inf = excluded) -> log sum exp over V [...], in one fixed order
-    (max, then a halving tree of exp(x - max), `tree_sum`) whatever the leading shape: the
-    sampler's recorded log-probs and the trainer's teacher-forced ones share these bits.
-    Under JAXRL_CACHE_KERNELS: `kernels_pallas.log_sum_exp`, one fixed kernel program (XLA:GPU
-    may fuse the jnp form differently per program)."""
+    whatever the leading shape: the sampler's recorded log-probs and the trainer's
+    teacher-forced ones share these bits. Under JAXRL_CACHE_KERNELS:
+    `kernels_pallas.log_sum_exp`, one fixed kernel program (XLA:GPU may fuse the jnp form
+    differently per program; a row with nothing left gets gradient 0 there, NaN here);
+    otherwise the max, then a halving tree of exp(x - max) (`tree_sum`)."""
     kernels = invariant_kernels()
     if kernels is not None:  # per batch shard under a training mesh (a custom call)
         lse = lambda a: log_sum_exp(a, backend=kernels)  # noqa: E731
