@@ -17,7 +17,7 @@ from kernels_pallas import (KERNELS_ENV, gathered_prefill_attention, invariant_k
                             resolve_backend)
 from kernels_pallas.blocked import KEY_BLOCK, gathered_attention
 from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
-from kernels_pallas.normaliser import BLOCK_V, log_sum_exp
+from kernels_pallas.normaliser import BLOCK_V, CHUNK_V, chunk_size, log_sum_exp
 
 RNG = np.random.default_rng(0)
 
@@ -72,7 +72,7 @@ def _logits(rows: int, vocab: int, seed: int = 0):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("vocab", [BLOCK_V, 700, 40])
+@pytest.mark.parametrize("vocab", [BLOCK_V, 700, 40, CHUNK_V + 904])
 def test_log_sum_exp_is_the_normaliser_and_its_rows_ignore_the_batch(vocab):
     """numpy's log-sum-exp within fp32 rounding (-inf for a row with nothing left); each
     row's bits are the same among 1, 3, 17 or 64 rows as among 133 (one program per
@@ -91,6 +91,11 @@ def test_log_sum_exp_is_the_normaliser_and_its_rows_ignore_the_batch(vocab):
     for rows in (1, 3, 17, 64):
         assert np.array_equal(np.asarray(lse(x[:rows])), full[:rows]), rows
     assert log_sum_exp(x.reshape(7, 19, vocab), backend="interpret").shape == (7, 19)
+
+
+def test_the_vocabulary_chunk_is_a_function_of_the_vocabulary():
+    assert [chunk_size(v) for v in (1, 40, BLOCK_V, 700, 49152, 151936)] == [
+        BLOCK_V, BLOCK_V, BLOCK_V, 1024, CHUNK_V, CHUNK_V]
 
 
 def test_log_sum_exp_gradient_is_the_softmax():
