@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_cache.models import ModelConfig, init_params
 from jaxrl_cache.parallel import make_mesh
+from jaxrl_cache.parallel.mesh import TRAIN_RULES, tree_shardings
 from jaxrl_cache.rl.logprobs import token_log_probs
 from kernels_pallas import KERNELS_ENV
 
@@ -38,9 +39,11 @@ def test_log_probs_on_the_mesh_keep_their_single_device_bits(monkeypatch):
     grad = jax.jit(jax.grad(lambda p, t: log_probs(p, t).sum()))
     single, single_grad = np.asarray(jax.jit(log_probs)(params, ROWS)), grad(params, ROWS)
     mesh = make_mesh({"data": 2, "fsdp": 4})
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # the params laid out as the train step keeps them (FSDP)
+        placed = jax.device_put(params, tree_shardings(params, TRAIN_RULES, mesh))
+        assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(placed))
         rows = jax.device_put(ROWS, split(mesh))
-        got, got_grad = np.asarray(jax.jit(log_probs)(params, rows)), grad(params, rows)
+        got, got_grad = np.asarray(jax.jit(log_probs)(placed, rows)), grad(placed, rows)
     assert np.array_equal(got, single)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(
         np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max()),
