@@ -251,8 +251,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         if calibrating:
             rollouts.audit_floor, rollouts.audit_tolerance = worst, calibrated(worst)
         rollouts.audit_exact_tokens = exact_evidence(evidence or 0, worst, checked)
-        bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
-        if bound is not None and rollouts.audit_exact_tokens >= bound:
+        if _measured_exact(rollouts):
             rollouts.audit_tolerance = 0.0  # exact in practice here: compare bits from now on
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
@@ -271,17 +270,25 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     return StepResult(new_state, record, texts, ack)
 
 
+def _measured_exact(rollouts) -> bool:
+    """Whether a calibrated run gates at 0 by its own measurement: its count of tokens
+    reproduced bit for bit (`audit_exact_tokens`) has reached `audit_exact_after`."""
+    evidence = getattr(rollouts, "audit_exact_tokens", None)
+    bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
+    return evidence is not None and bound is not None and evidence >= bound
+
+
 @contextlib.contextmanager
 def _measured_exact_noted(rollouts):
-    """An audit failure in a run that gates at 0 by measurement (`audit_exact_after`) gets
-    a note saying so (its samples are stale, or this device's numerics are not exact after
+    """An audit failure in a run that gates at 0 by measurement (`_measured_exact`) gets a
+    note saying so (its samples are stale, or this device's numerics are not exact after
     all), and ends the run's count (-1): the tolerance stays 0."""
     try:
         yield
     except (AuditError, AttributionFailure) as e:
-        evidence = getattr(rollouts, "audit_exact_tokens", None)
-        bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
-        if evidence is not None and bound is not None and evidence >= bound:
+        if _measured_exact(rollouts):
+            evidence = rollouts.audit_exact_tokens
+            bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
             rollouts.audit_exact_tokens = -1
             e.add_note(f"The audit compares bits here because this run's earlier steps "
                        f"reproduced all {evidence} tokens they checked bit for bit (a "
