@@ -65,12 +65,12 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, steps: int, w_rows_out: bool, 
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _forward(x, w, w_rows_out: bool, backend: str):
+def _forward(x, w, w_rows_out: bool, backend: str, columns: int | None):
     """x [M, K], w [K, N] (or [N, K] when w_rows_out; same float dtype) -> f32 [M, N] by the
-    fixed tile program."""
+    fixed tile program (of the [K, columns] product when w is a slice of its columns)."""
     m, k = x.shape
     n = w.shape[0] if w_rows_out else w.shape[1]
-    block_k, block_n = tile_sizes(k, n, x.dtype)
+    block_k, block_n = tile_sizes(k, columns or n, x.dtype)
     kp, np_ = -(-k // block_k) * block_k, -(-n // block_n) * block_n
     mp = -(-m // BLOCK_M) * BLOCK_M
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
@@ -94,16 +94,16 @@ def _forward(x, w, w_rows_out: bool, backend: str):
     return out[:m, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _tiled(x, w, w_rows_out, backend):
-    return _forward(x, w, w_rows_out, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _tiled(x, w, w_rows_out, backend, columns):
+    return _forward(x, w, w_rows_out, backend, columns)
 
 
-def _tiled_fwd(x, w, w_rows_out, backend):
-    return _forward(x, w, w_rows_out, backend), (x, w)
+def _tiled_fwd(x, w, w_rows_out, backend, columns):
+    return _forward(x, w, w_rows_out, backend, columns), (x, w)
 
 
-def _tiled_bwd(w_rows_out, backend, residuals, g):
+def _tiled_bwd(w_rows_out, backend, columns, residuals, g):
     """g f32 [M, N] -> (dx [M, K], dw like w): plain XLA dots (only forward bits matter)."""
     x, w = residuals
     w32 = w.astype(jnp.float32)
@@ -115,15 +115,24 @@ def _tiled_bwd(w_rows_out, backend, residuals, g):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def tiled_matmul(x, w, *, w_rows_out: bool = False, backend: str = "pallas"):
+def tiled_matmul(x, w, *, w_rows_out: bool = False, backend: str = "pallas",
+                 columns: int | None = None):
     """x [M, K] @ w [K, N] (w [N, K] when w_rows_out) -> f32 [M, N], every row computed by
-    the same tile program whatever M (see the module doc). Differentiable in x and w."""
+    the same tile program whatever M (see the module doc). Differentiable in x and w.
+
+    columns: when w is a slice of the columns of a [K, columns] weight (a tensor-parallel
+    shard), the tiles are the full product's (the slice zero-padded to whole tiles), so each
+    column gets the bits the full product gives it: an element's program depends on the
+    tile shape, not on where in the weight its column sits."""
     if backend not in ("pallas", "interpret"):
         raise ValueError(f"backend must be 'pallas' or 'interpret', got {backend!r}")
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"x and w must be 2-D, got shapes {x.shape} and {w.shape}")
     if x.shape[1] != w.shape[1 if w_rows_out else 0]:
         raise ValueError(f"x [M, {x.shape[1]}] does not contract with w {w.shape}")
+    n = w.shape[0] if w_rows_out else w.shape[1]
+    if columns is not None and columns < n:
+        raise ValueError(f"columns={columns} is fewer than w's {n} output columns")
     if x.dtype != w.dtype:
         w = w.astype(x.dtype)
-    return _tiled(x, w, w_rows_out, backend)
+    return _tiled(x, w, w_rows_out, backend, columns)

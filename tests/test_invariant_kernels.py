@@ -44,6 +44,30 @@ def test_tile_sizes_depend_on_the_weight_alone():
     assert tile_sizes(40, 24, jnp.float32) == (32, 128)  # padded: no power of two >= 16 fits
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_column_slice_tiled_as_its_whole_weight_keeps_its_bits(dtype):
+    """A tensor-parallel shard's columns (`columns`: the whole weight's N) get the bits of
+    the whole product, whether its slices are whole tiles (256 = 2 x 128) or cut them
+    (64 of a 128-wide tile: zero-padded to the whole tile) and for the tied-head layout."""
+    k, n = 96, 256
+    x = jnp.asarray(RNG.standard_normal((5, k)), dtype)
+    w = jnp.asarray(RNG.standard_normal((k, n)), dtype)
+    f = jax.jit(lambda x, w, cols: tiled_matmul(x, w, backend="interpret", columns=cols),
+                static_argnums=2)
+    full = np.asarray(f(x, w, None))
+    for width in (128, 64):
+        for start in range(0, n, width):
+            np.testing.assert_array_equal(np.asarray(f(x, w[:, start:start + width], n)),
+                                          full[:, start:start + width])
+    wt = w.T  # [N, K]
+    g = jax.jit(lambda x, w, cols: tiled_matmul(x, w, w_rows_out=True, backend="interpret",
+                                                columns=cols), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(g(x, wt[64:128], n)),
+                                  np.asarray(g(x, wt, None))[:, 64:128])
+    with pytest.raises(ValueError, match="fewer than"):
+        tiled_matmul(x, w, backend="interpret", columns=n - 1)
+
+
 def test_tiled_matmul_gradients_are_the_matmuls():
     x = jnp.asarray(RNG.standard_normal((5, 40)), jnp.float32)
     for rows_out in (False, True):

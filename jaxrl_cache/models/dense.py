@@ -60,23 +60,25 @@ def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
     return bound
 
 
-def dense(x, w, out_dtype=None, *, w_rows_out: bool = False):
+def dense(x, w, out_dtype=None, *, w_rows_out: bool = False, columns: int | None = None):
     """x [..., K] @ w [K, N] -> [..., N], batch-invariant (see the module doc).
 
     w [N, K] when w_rows_out: a tied LM head contracts the embedding's last axis in the dot
     itself (a transposed copy was laid out one way in one program and another way in the
     next, and gave other bits). Accumulates in fp32; out_dtype: the result's dtype
-    (default x's). w may be a row-parallel shard (`parallel.tensor_parallel.RowParallel`:
-    its partial product is reduced over the tensor axis).
+    (default x's). w may be a tensor-parallel shard (`parallel.tensor_parallel.ColumnShard`:
+    it runs its own product through this function, with `columns` the full weight's N so
+    the kernels tile the slice as they tile the whole weight; XLA's dots ignore it).
     """
-    if hasattr(w, "reduce"):
-        return w.reduce(dense(x, w.w, out_dtype, w_rows_out=w_rows_out))
+    if hasattr(w, "shard_product"):
+        return w.shard_product(x, functools.partial(dense, out_dtype=out_dtype,
+                                                    w_rows_out=w_rows_out))
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     kernels = invariant_kernels()
     if kernels is not None:  # per batch shard under a training mesh (a custom call)
-        out = per_batch_shard(
-            lambda r: tiled_matmul(r, w, w_rows_out=w_rows_out, backend=kernels), rows)
+        out = per_batch_shard(lambda r: tiled_matmul(r, w, w_rows_out=w_rows_out,
+                                                     backend=kernels, columns=columns), rows)
         return out.reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
     if rows.shape[0] < FALLBACK_ROWS:
         n = w.shape[0] if w_rows_out else w.shape[1]

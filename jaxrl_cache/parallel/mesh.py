@@ -7,7 +7,7 @@ matched by the last key of its path, so optimizer state (Adam's mu and nu mirror
 is sharded exactly like its params; 0-d leaves (counts, the version) are replicated.
 
 Axes: "data" (batch only, params replicated), "fsdp" (batch and params sharded),
-"tensor" (Megatron tensor parallelism over attention heads and the FFN).
+"tensor" (tensor parallelism over attention heads, the FFN and d_model: tensor_parallel).
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def kv_layout(config: ModelConfig, tensor: int) -> tuple[int, int]:
     j // (tensor / Hkv).
     """
     hq, hkv = config.n_heads, config.n_kv_heads
-    if tensor < 1 or hq % tensor or config.d_ff % tensor:
-        raise ValueError(f"tensor axis {tensor} must divide n_heads={hq} and d_ff={config.d_ff}")
+    if tensor < 1 or hq % tensor or config.d_ff % tensor or config.d_model % tensor:
+        raise ValueError(f"tensor axis {tensor} must divide n_heads={hq}, d_ff={config.d_ff} "
+                         f"and d_model={config.d_model}")
     if tensor <= hkv:
         if hkv % tensor:
             raise ValueError(f"tensor axis {tensor} must divide n_kv_heads={hkv}")
@@ -65,8 +66,9 @@ def kv_layout(config: ModelConfig, tensor: int) -> tuple[int, int]:
 def rollout_rules(config: ModelConfig, tensor: int) -> Rules:
     """Megatron tensor parallelism for the paged forwards (see `kv_layout`).
 
-    wq/wk/wv (+ biases), w_gate/w_up column-parallel (output dim over heads / FFN), wo and
-    w_down row-parallel (input dim; one all-reduce after each). When kv heads are copied
+    Every matrix is split by its output columns (see tensor_parallel: no partial sums):
+    wq/wk/wv (+ biases), w_gate/w_up over heads / FFN; wo and w_down over d_model (their
+    input and output all-gathered around the product). When kv heads are copied
     (tensor > Hkv), wk/wv/bk/bv are replicated and each shard slices its own head. embed and
     lm_head are replicated: every shard then holds full-vocab logits for sampling, and no
     logits are gathered per decode step. "kv_pages" is the pool [..., P, Hkv, page_size, D].
@@ -77,8 +79,8 @@ def rollout_rules(config: ModelConfig, tensor: int) -> Rules:
         ("embed", (None, None)), ("lm_head", (None, None)),
         ("wq", (None, TENSOR)), ("bq", (TENSOR,)),
         ("wk", (None, kv)), ("wv", (None, kv)), ("bk", (kv,)), ("bv", (kv,)),
-        ("wo", (TENSOR, None)), ("bo", (None,)),  # bo added once, after the psum
-        ("w_gate", (None, TENSOR)), ("w_up", (None, TENSOR)), ("w_down", (TENSOR, None)),
+        ("wo", (None, TENSOR)), ("bo", (None,)),  # bo added to the gathered output
+        ("w_gate", (None, TENSOR)), ("w_up", (None, TENSOR)), ("w_down", (None, TENSOR)),
         ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
         ("q_norm", (None,)), ("k_norm", (None,)),  # per head, [D]
         ("kv_pages", (None, TENSOR, None, None)),

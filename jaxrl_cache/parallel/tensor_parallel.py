@@ -3,10 +3,17 @@
 Each shard holds its query heads, their kv heads (its slice of the KV pool), and its slice
 of the FFN (see mesh.rollout_rules). It runs the model's own `prefill_forward` /
 `decode_forward` with a per-shard config (n_heads / tensor heads), so the attention kernels
-(Pallas or xla) see only local heads and pages. The two row-parallel matmuls (wo, w_down)
-end in a psum over the tensor axis: the weight shard is wrapped in `RowParallel`, which
-`models.llama.dense` turns into Megatron's row-parallel linear, so the model code runs
-unchanged per shard.
+(Pallas or xla) see only local heads and pages.
+
+Every weight matrix is split by its output columns, and each shard computes whole output
+columns (no partial sums): wq/wk/wv/w_gate/w_up as Megatron's column-parallel linears; wo
+and w_down first all-gather their input (the heads' outputs, the FFN's hidden), compute
+their own columns of d_model, and all-gather those. Megatron instead splits wo / w_down by
+input rows and psums the partial products, which adds each element's K terms in another
+order than one device's dot. Here every element is one full-length dot, and under the
+batch-invariant kernels (JAXRL_CACHE_KERNELS) each shard tiles its slice as the full weight
+is tiled, so a mesh engine computes the trainer's bits. The weight shards are wrapped in
+`ColumnShard`, whose product `models.dense` runs, so the model code runs unchanged per shard.
 Tokens, positions, page tables and logits are replicated; so is everything the engine does
 around the forward (sampling, the decode loop's bookkeeping).
 """
@@ -24,28 +31,38 @@ from jaxrl_cache.models import ModelConfig, init_kv_cache
 from jaxrl_cache.parallel.mesh import (TENSOR, axis_size, kv_cache_shardings, kv_layout,
                                        leaf_name, rollout_rules, tree_shardings)
 
-_ROW_PARALLEL = ("wo", "w_down")
+_COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
+_GATHERED = ("wo", "w_down")  # input and output all-gathered around the local columns
 _KV_COLUMNS = ("wk", "wv", "bk", "bv")
 
 
 @jax.tree_util.register_pytree_node_class
-class RowParallel:
-    """A row-parallel weight shard w [..., in / tensor, out]: models.llama.dense(x, shard)
-    = reduce(the local partial product) = its psum over the tensor axis (x holds the
-    matching input slice)."""
+class ColumnShard:
+    """A slice w [..., K, n] of the output columns of a weight [..., K, columns].
 
-    def __init__(self, w):
-        self.w = w
+    `models.dense(x, shard)` = x @ w, computed with the tiles of the whole [K, columns]
+    product (`columns`), so each column has the bits one device's product gives it. When
+    `gathered` (wo, w_down), x [..., K / tensor] is this shard's slice of the input: it is
+    all-gathered over the tensor axis first, and the [..., n] result after (-> [..., columns]).
+    """
 
-    def reduce(self, partial):
-        return jax.lax.psum(partial, TENSOR)
+    def __init__(self, w, columns: int, gathered: bool = False):
+        self.w, self.columns, self.gathered = w, columns, gathered
+
+    def shard_product(self, x, dense: Callable):
+        if self.gathered:
+            x = jax.lax.all_gather(x, TENSOR, axis=x.ndim - 1, tiled=True)
+        y = dense(x, self.w, columns=self.columns)
+        if self.gathered:
+            y = jax.lax.all_gather(y, TENSOR, axis=y.ndim - 1, tiled=True)
+        return y
 
     def tree_flatten(self):
-        return (self.w,), None
+        return (self.w,), (self.columns, self.gathered)
 
     @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
 
 
 def engine_kv_cache(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh):
@@ -64,18 +81,19 @@ def rollout_shardings(params, config: ModelConfig, mesh: Mesh):
     return tree_shardings(params, rollout_rules(config, axis_size(mesh, TENSOR)), mesh)
 
 
-def _local_params(params, config: ModelConfig, copies: int):
-    """Inside shard_map: wrap row-parallel weights; with copied kv heads, slice this shard's
-    head out of the replicated wk/wv/bk/bv."""
+def _local_params(params, config: ModelConfig, tensor: int, copies: int):
+    """Inside shard_map: wrap every weight matrix in `ColumnShard`; with copied kv heads,
+    slice this shard's head out of the replicated wk/wv/bk/bv (a slice of their columns)."""
     head = jax.lax.axis_index(TENSOR) // copies
     d = config.head_dim
 
     def local(path, x):
         name = leaf_name(path)
-        if name in _ROW_PARALLEL:
-            return RowParallel(x)
         if name in _KV_COLUMNS and copies > 1:
-            return jax.lax.dynamic_slice_in_dim(x, head * d, d, axis=x.ndim - 1)
+            part = jax.lax.dynamic_slice_in_dim(x, head * d, d, axis=x.ndim - 1)
+            return ColumnShard(part, x.shape[-1]) if name in _COLUMN_PARALLEL else part
+        if name in _COLUMN_PARALLEL or name in _GATHERED:
+            return ColumnShard(x, x.shape[-1] * tensor, gathered=name in _GATHERED)
         return x
 
     return jax.tree_util.tree_map_with_path(local, params)
@@ -102,11 +120,11 @@ def shard_forward(forward: Callable, mesh: Mesh) -> Callable:
         kv_specs = jax.tree.map(lambda s: s.spec, kv_cache_shardings(kv_cache, rules, mesh))
 
         def body(params, kv_cache, *arrays):
-            return forward(_local_params(params, config, copies), local_config, kv_cache,
+            return forward(_local_params(params, config, tensor, copies), local_config, kv_cache,
                            *arrays, **static)
 
         # check_vma=False: pallas_call has no replication rule; the logits are replicated by
-        # construction (replicated embed/head, psum'd residual stream).
+        # construction (replicated embed/head, all-gathered residual stream updates).
         return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, kv_specs) +
                              (P(),) * len(arrays), out_specs=(P(), kv_specs),
                              check_vma=False)(params, kv_cache, *arrays)

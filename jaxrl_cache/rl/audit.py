@@ -25,12 +25,14 @@ from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.batch import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
+from kernels_pallas import invariant_kernels
 from kernels_pallas.blocked import batch_invariant
 
 AUDIT_TOLERANCE = 0.0  # exact numerics: a token whose bits differ is flagged
-# Where the sampler does not compute the trainer's bits (a tensor-parallel engine: its
-# shard partial sums are added in another order; a GPU: XLA:GPU's dots and the compiled
-# kernels change their bits with the row count, benchmarks/results/gpu-check-h200-*): the
+# Where the sampler does not compute the trainer's bits (a tensor-parallel engine on XLA's
+# dots: XLA tiles a slice of a weight's columns unlike the whole weight; a GPU: XLA:GPU's
+# dots and the compiled kernels change their bits with the row count,
+# benchmarks/results/gpu-check-h200-*): the
 # starting tolerance, ~10x the noise floor measured between the two on XLA:CPU (3-4e-5 on
 # SmolLM2-135M fp32, 2026-12), blind to updates that move a log-prob less. A GRPO run
 # raises it to CALIBRATION_MARGIN x the floor its first step measures (`calibrated`).
@@ -52,11 +54,14 @@ def exact_platform(engine) -> bool:
 
 def tolerance_for(engine) -> float:
     """The audit tolerance for samples of `engine`: AUDIT_TOLERANCE (0) when it computes
-    the trainer's bits (one CPU device, the xla or interpret backend, a head size whose dots
-    keep the blocked order: `kernels_pallas.blocked.batch_invariant`), CALIBRATED_TOLERANCE
-    otherwise (a mesh, a GPU, the compiled pallas kernels, head_dim 32 on XLA:CPU)."""
-    exact = (getattr(engine, "mesh", None) is None and exact_platform(engine)
-             and getattr(engine, "backend", "xla") in ("xla", "interpret"))
+    the trainer's bits (CPU, the xla or interpret backend, a head size whose dots keep the
+    blocked order: `kernels_pallas.blocked.batch_invariant`; on a tensor-parallel mesh only
+    under the batch-invariant kernels, which tile each shard's columns as the whole weight),
+    CALIBRATED_TOLERANCE otherwise (a GPU, the compiled pallas kernels, a mesh on XLA's
+    dots, head_dim 32 on XLA:CPU)."""
+    exact = exact_platform(engine) and getattr(engine, "backend", "xla") in ("xla", "interpret")
+    if exact and getattr(engine, "mesh", None) is not None:
+        exact = invariant_kernels() is not None
     config = getattr(engine, "model_config", None)
     if exact and config is not None:  # the dots keep the order at this head size (probe)
         exact = batch_invariant(config.head_dim, config.dtype)

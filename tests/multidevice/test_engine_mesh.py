@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.errors import VersionError
+from jaxrl_cache.models import init_params
 from jaxrl_cache.parallel import make_mesh
 from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, audit_attribution, tolerance_for
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
+from kernels_pallas import KERNELS_ENV
 from tests.multidevice import common
 
 CONFIG = common.CONFIG
@@ -35,8 +37,9 @@ def test_mesh_engine_equals_single_device(tensor):
             assert [s.output_ids for s in got.samples] == [s.output_ids for s in want.samples]
             for a, b in zip(got.samples, want.samples):
                 np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
-            # the shards add partial sums in another order: not the trainer's bits, so the
-            # audit takes the calibrated tolerance (the single-device engine's are exact)
+            # on XLA's dots a shard's columns are tiled unlike the whole weight: not the
+            # trainer's bits, so the audit takes the calibrated tolerance (the
+            # single-device engine's are exact; under the kernels the mesh's are, below)
             assert tolerance_for(single) == 0.0
             assert tolerance_for(sharded) == CALIBRATED_TOLERANCE
             report = audit_attribution(got, {version: params}, CONFIG,
@@ -53,3 +56,31 @@ def test_mesh_engine_equals_single_device(tensor):
     with pytest.raises(VersionError):
         sharded.rollout(p0, 1, PROMPTS, sp, rng=jax.random.key(0))
     sharded.cache.check_invariants()
+
+
+def test_mesh_engine_is_exact_under_the_invariant_kernels(monkeypatch):
+    """Under JAXRL_CACHE_KERNELS the mesh engine computes the trainer's bits: its recorded
+    log-probs equal the one-device engine's and the trainer's teacher-forced ones bit for
+    bit (audit at tolerance 0), through admission rounds and a prefix served from the
+    cache, with kv heads split (tensor 2) and copied (tensor 4)."""
+    from tests.multidevice.test_tensor_parallel import KERNEL_CONFIG as config
+    monkeypatch.setenv(KERNELS_ENV, "interpret")
+    params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x,
+                          init_params(config, jax.random.key(0)))
+    cache = CacheConfig(num_pages=40, page_size=4)
+    sched = SchedulerConfig(max_num_seqs=4, chunk_steps=3)  # 6 samples queue for 4 slots
+    sp = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, top_k=8)
+    single = RolloutEngine(config, cache, scheduler_config=sched)
+    want = single.rollout(params, 0, PROMPTS, sp, rng=jax.random.key(0))
+    for tensor in (2, 4):
+        mesh = make_mesh({"tensor": tensor}, jax.devices()[8 - tensor:])
+        sharded = RolloutEngine(config, cache, scheduler_config=sched, mesh=mesh)
+        assert tolerance_for(sharded) == 0.0
+        for call in range(2):  # the second call's prompts are served from the radix cache
+            got = sharded.rollout(params, 0, PROMPTS, sp, rng=jax.random.key(0))
+            assert (got.cached_tokens > 0) == (call == 1)
+            for a, b in zip(got.samples, want.samples):
+                assert a.output_ids == b.output_ids
+                np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+            report = audit_attribution(got, {0: params}, config)
+            assert report.ok and report.exact and report.max_abs_diff == 0.0

@@ -10,10 +10,11 @@ from tests.multidevice import common
 CONFIG = common.CONFIG
 
 
-def test_decode_loop_only_all_reduces_activations():
+def test_decode_loop_only_gathers_activations():
     """A decode loop as the engine runs it (page copies, then steps of forward + greedy pick):
-    one all-reduce of the [B, d_model] residual per row-parallel matmul (wo, w_down) per
-    layer per step, nothing else: no gather of the KV pool, params or logits."""
+    per layer per step, wo and w_down each all-gather their input (heads' outputs
+    [B, Hq * D], the FFN hidden [B, d_ff]) and their output columns ([B, d_model]), nothing
+    else: no partial sums reduced, no gather of the KV pool, params or logits."""
     mesh = make_mesh({"tensor": 8})
     params = common.params()
     params = jax.device_put(params, rollout_shardings(params, CONFIG, mesh))
@@ -35,7 +36,8 @@ def test_decode_loop_only_all_reduces_activations():
             jnp.ones((b, 3), jnp.int32), jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
     text = jax.jit(loop, donate_argnums=1).lower(*args).compile().as_text()
     found = common.collectives(text)
-    assert found, "expected the row-parallel all-reduces"
-    # the layer scan's body is compiled once (inside the decode loop): its 2 all-reduces
-    assert found == [("all-reduce", (f"f32[{b},{CONFIG.d_model}]",))] * 2, found
+    assert found, "expected the activation all-gathers"
+    # the layer scan's body is compiled once (inside the decode loop): its 4 all-gathers
+    heads, d, ffn = CONFIG.n_heads * CONFIG.head_dim, CONFIG.d_model, CONFIG.d_ff
+    assert found == [("all-gather", (f"f32[{b},{n}]",)) for n in (heads, d, ffn, d)], found
 

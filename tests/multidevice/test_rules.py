@@ -40,22 +40,23 @@ def test_rollout_shard_shapes():
         shape = lambda name: layer[name].shard_shape(params["layers"][name].shape)
         assert shape("wq") == (1, 32, 64 // tensor)
         assert shape("wk") == shape("wv") == (1, 32, kv_cols)
-        assert shape("wo") == (1, 64 // tensor, 32)
+        assert shape("wo") == (1, 64, 32 // tensor)  # whole columns of d_model
         assert shape("w_gate") == shape("w_up") == (1, 32, 64 // tensor)
-        assert shape("w_down") == (1, 64 // tensor, 32)
+        assert shape("w_down") == (1, 64, 32 // tensor)
         assert shardings["embed"].shard_shape(params["embed"].shape) == (32, 32)
 
 
 def test_rules_apply_to_trailing_dims_with_or_without_a_layer_axis():
     mesh = make_mesh({"tensor": 8})
-    shapes = {"wq": (32, 64), "wo": (64, 32), "attn_norm": (32,)}
+    shapes = {"wq": (32, 64), "wo": (64, 32), "attn_norm": (32,), "kv_pages": (4, 8, 4, 8)}
     for lead in ((), (3,)):
         tree = {k: jax.ShapeDtypeStruct(lead + v, jnp.float32) for k, v in shapes.items()}
         specs = jax.tree.map(lambda s: s.spec,
                              tree_shardings(tree, rollout_rules(CONFIG, 8), mesh))
         pad = (None,) * len(lead)
-        assert specs == {"wq": P(*pad, None, "tensor"), "wo": P(*pad, "tensor", None),
-                         "attn_norm": P(*pad, None)}
+        assert specs == {"wq": P(*pad, None, "tensor"), "wo": P(*pad, None, "tensor"),
+                         "attn_norm": P(*pad, None),
+                         "kv_pages": P(*pad, None, "tensor", None, None)}
 
 
 def test_optimizer_state_sharded_like_params():
