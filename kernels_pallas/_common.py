@@ -1,6 +1,7 @@
 """Shared helpers for the paged-attention kernels: argument checks and backend choice."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -16,14 +17,52 @@ def invariant_kernels() -> str | None:
     """Where the batch-invariant kernels run: None (XLA's ops, the default: exact on
     XLA:CPU), "pallas" (compiled Triton, GPU) or "interpret" (the same kernels in Pallas
     interpret mode: CPU tests). From the environment variable JAXRL_CACHE_KERNELS, read at
-    trace time: the sampler and the trainer must trace under the same value (set it before
-    the process starts). It routes the model's projections (`models.dense`), the trainer's
-    attention (`models.llama`), the log-softmax normaliser of every log-prob
-    (`rollout.sampling.log_normaliser`) and the engine's "auto" attention backend."""
+    trace time (programs are cached per value: `kernel_keyed_jit`); the sampler and the
+    trainer must run under the same value. It routes the model's projections
+    (`models.dense`), the trainer's attention (`models.llama`), the log-softmax normaliser
+    of every log-prob (`rollout.sampling.log_normaliser`) and the engine's "auto" attention
+    backend."""
     choice = os.environ.get(KERNELS_ENV, "xla")
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
     return None if choice == "xla" else choice
+
+
+class KernelKeyedJit:
+    """`jax.jit(fun, **jit_kwargs)` with one compilation cache per `invariant_kernels()`
+    value. The setting is read while a program is traced, so a plain jit's cache would serve
+    a program traced under one value to a call made under another (a process that runs the
+    demo with `--kernels interpret` after a default run, a test that sets the variable). Every
+    jitted entry point whose trace reads the setting is one of these; attributes (`lower`,
+    `trace`, `_cache_size`) are those of the jit of the current value."""
+
+    def __init__(self, fun, **jit_kwargs):
+        functools.update_wrapper(self, fun)
+        self._fun, self._jit_kwargs, self._jits = fun, jit_kwargs, {}
+
+    def _current(self):
+        kernels = invariant_kernels()
+        if kernels not in self._jits:
+            # a function object of its own: jax keys its trace cache on the function, so a
+            # second jax.jit(fun) would reuse the other setting's traces
+            @functools.wraps(self._fun)
+            def traced(*args, **kwargs):
+                return self._fun(*args, **kwargs)
+            self._jits[kernels] = jax.jit(traced, **self._jit_kwargs)
+        return self._jits[kernels]
+
+    def __call__(self, *args, **kwargs):
+        return self._current()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._current(), name)
+
+
+def kernel_keyed_jit(fun=None, **jit_kwargs):
+    """Decorator form of `KernelKeyedJit` (with or without jit keyword arguments)."""
+    if fun is None:
+        return functools.partial(kernel_keyed_jit, **jit_kwargs)
+    return KernelKeyedJit(fun, **jit_kwargs)
 
 
 def resolve_backend(backend: str) -> str:

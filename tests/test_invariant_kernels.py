@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import (KERNELS_ENV, gathered_prefill_attention, invariant_kernels,
-                            resolve_backend)
+                            kernel_keyed_jit, resolve_backend)
 from kernels_pallas.blocked import KEY_BLOCK, gathered_attention
 from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
 from kernels_pallas.normaliser import BLOCK_V, CHUNK_V, chunk_size, log_sum_exp
@@ -167,6 +167,30 @@ def test_invariant_kernels_reads_the_environment(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "gpu")
     with pytest.raises(ValueError, match=KERNELS_ENV):
         invariant_kernels()
+
+
+def test_jitted_entry_points_keep_a_program_per_setting(monkeypatch):
+    """A plain jit would serve the program traced under one setting to a call under another
+    (the setting is read while tracing); a kernel-keyed jit traces once per setting and
+    reuses each: here the model's projection, on XLA's dot or on the tiled kernel."""
+    from jaxrl_cache.models.dense import dense
+    traces = []
+
+    def project(x, w):
+        traces.append(invariant_kernels())
+        return dense(x, w)
+
+    f = kernel_keyed_jit(project)
+    x = jnp.asarray(RNG.standard_normal((3, 40)), jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((40, 24)), jnp.float32)
+    jaxpr = lambda: str(f.trace(x, w).jaxpr)
+    for setting in ("xla", "interpret", "xla", "interpret"):
+        monkeypatch.setenv(KERNELS_ENV, setting)
+        want = jax.jit(lambda x, w: dense(x, w))(x, w)  # a fresh trace under the setting
+        np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(want))
+        assert ("pallas_call" in jaxpr()) == (setting == "interpret")
+    assert traces == [None, "interpret"]  # trace() hits the cache of each setting too
+    assert f._cache_size() == 1  # the current setting's own cache
 
 
 def _packed_rows(group: int):

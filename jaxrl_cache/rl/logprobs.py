@@ -10,8 +10,6 @@ setting): a step sampled without top-p compiles no full-vocab sort.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +17,7 @@ from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.llama import hidden_states, lm_logits
 from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_normaliser,
                                           log_probs_at, warped_logits)
+from kernels_pallas import kernel_keyed_jit
 
 LOGPROB_CHUNK = 128  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits
 # (128: as fast as 512 on SmolLM2 at 16 x 80 and 64 x 256 tokens, 0.46 GiB less peak RSS at
@@ -97,7 +96,7 @@ def knobs_of(sampling: SamplingParams, vocab: int) -> tuple[dict, str]:
                                              sampling.top_k, vocab)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kind", "chunk"))
+@kernel_keyed_jit(static_argnames=("config", "kind", "chunk"))
 def _next_token_log_probs(params, tokens, knobs, *, config, kind, chunk):
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     return token_log_probs(params, config, tokens, targets, knobs, kind=kind,

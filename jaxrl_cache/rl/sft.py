@@ -6,8 +6,6 @@ pure jitted function of (params, opt_state, batch), so a new batch never recompi
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ import optax
 from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import token_log_probs
 from jaxrl_cache.shapes import bucket
+from kernels_pallas import kernel_keyed_jit
 
 
 def pack_completions(prompts, completions, length: int | None = None):
@@ -53,7 +52,7 @@ def sft_loss(params, config: ModelConfig, tokens, loss_mask):
     return -(logp * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tx"))
+@kernel_keyed_jit(static_argnames=("config", "tx"))
 def sft_step(params, opt_state, tokens, loss_mask, *, config: ModelConfig,
              tx: optax.GradientTransformation):
     """One update of `tx` (with its learning rate) on sft_loss -> (params', opt_state', loss).

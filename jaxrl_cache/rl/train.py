@@ -50,6 +50,7 @@ from jaxrl_cache.rl.memory import check_memory, resolve_remat
 from jaxrl_cache.rl.packing import PackedBatch
 from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
+from kernels_pallas import kernel_keyed_jit
 
 
 def make_optimizer(*, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
@@ -181,7 +182,7 @@ def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: 
     return (jnp.maximum(out[0], -1e4), out[1]) if entropy else jnp.maximum(out, -1e4)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kind", "cfg"))
+@kernel_keyed_jit(static_argnames=("config", "kind", "cfg"))
 def _score(params, frozen, packed: PackedBatch, knobs, *, config, kind, cfg: TrainConfig):
     """Log-probs [U, M, B, R] of every target under `params`, no gradient (the proximal
     policy, the reference policy)."""
@@ -320,8 +321,9 @@ def _structure(cfg: TrainConfig) -> TrainConfig:
 
 
 _STATIC = ("tx", "config", "kind", "cfg")
-_train_jit = jax.jit(_train_core, static_argnames=_STATIC)
-_train_jit_donating = jax.jit(_train_core, static_argnames=_STATIC, donate_argnums=(0, 1))
+_train_jit = kernel_keyed_jit(_train_core, static_argnames=_STATIC)
+_train_jit_donating = kernel_keyed_jit(_train_core, static_argnames=_STATIC,
+                                       donate_argnums=(0, 1))
 
 
 def _summary(metrics: dict, version: int, updates: int) -> dict:

@@ -6,14 +6,13 @@ sampling knobs, max_new_tokens, versions and params are traced values.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models import ModelConfig, copy_pages, decode_forward, prefill_forward
 from jaxrl_cache.parallel import shard_forward
 from jaxrl_cache.rollout.sampling import sample_tokens
+from kernels_pallas import kernel_keyed_jit
 
 
 def _on_mesh(forward, mesh):
@@ -23,7 +22,7 @@ def _on_mesh(forward, mesh):
     return shard_forward(forward, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"),
+@kernel_keyed_jit(static_argnames=("config", "backend", "mesh"),
                    donate_argnames=("kv_cache",))
 def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
                  logit_slot, copy_src, copy_dst, *, config: ModelConfig, backend: str,
@@ -48,7 +47,7 @@ def row_keys(key, sample_index, emitted):
         sample_index, emitted)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "steps", "mesh"),
+@kernel_keyed_jit(static_argnames=("config", "backend", "steps", "mesh"),
                    donate_argnames=("kv_cache",))
 def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
                  shared_pages, budget, sample_index, emitted, stop_ids, refill_at, temperature,
