@@ -546,7 +546,7 @@ def test_the_kv_pool_is_sized_from_the_job(monkeypatch):
 
 
 def test_kernels_flag_runs_the_demo_exact_on_the_invariant_kernels(tmp_path):
-    """--kernels interpret (a subprocess: the setting is read when programs trace): the warm
+    """--kernels interpret (through the CLI in a process of its own, as a user runs it): the warm
     start, rollouts, audit and train step all run the batch-invariant kernels, and the step
     gates at tolerance 0 with the sampler/trainer mismatch exactly 0."""
     out = tmp_path / "run"

@@ -89,3 +89,16 @@ def test_layouts_the_model_cannot_take_are_refused_naming_mesh():
     with pytest.raises(ValueError, match=r"--mesh trainer=8,engine=4: needs 8 \+ 4 devices, "
                                          r"8 available"):
         MeshLayout(1, 8, 4).build(config, state, 16)
+
+
+def test_mesh_run_is_exact_under_the_invariant_kernels(runs, tmp_path):
+    """`demo --mesh ... --kernels interpret`: the tensor-parallel engine and the data x fsdp
+    trainer both run the batch-invariant kernels, so the library vouches for the bits from
+    the first step (tolerance 0, not calibrated) and every audited token reproduces."""
+    run_demo(DemoOptions(**TINY, model=runs["one"]["policy"], mesh=MESH, kernels="interpret",
+                         out=str(tmp_path / "mesh")))
+    steps = rows(tmp_path / "mesh")
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    for r in steps:
+        assert r["audit_tolerance"] == 0.0 and r["audit_checked_tokens"] > 0, r
+        assert r["logprob_mismatch_max"] == 0.0 and r["audit_failed"] == 0, r
