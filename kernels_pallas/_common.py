@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -33,28 +34,34 @@ class KernelKeyedJit:
     value. The setting is read while a program is traced, so a plain jit's cache would serve
     a program traced under one value to a call made under another (a process that runs the
     demo with `--kernels interpret` after a default run, a test that sets the variable). Every
-    jitted entry point whose trace reads the setting is one of these; attributes (`lower`,
-    `trace`, `_cache_size`) are those of the jit of the current value."""
+    jitted entry point whose trace reads the setting (the model's and the attention
+    kernels' "auto" backend) is one of these; attributes (`lower`, `trace`, `_cache_size`)
+    are those of the jit of the current value. For module-level functions (no `__get__`:
+    not a method decorator)."""
 
     def __init__(self, fun, **jit_kwargs):
         functools.update_wrapper(self, fun)
         self._fun, self._jit_kwargs, self._jits = fun, jit_kwargs, {}
+        self._lock = threading.Lock()  # the rollout worker and the trainer may trace at once
 
     def _current(self):
         kernels = invariant_kernels()
-        if kernels not in self._jits:
-            # a function object of its own: jax keys its trace cache on the function, so a
-            # second jax.jit(fun) would reuse the other setting's traces
-            @functools.wraps(self._fun)
-            def traced(*args, **kwargs):
-                return self._fun(*args, **kwargs)
-            self._jits[kernels] = jax.jit(traced, **self._jit_kwargs)
-        return self._jits[kernels]
+        with self._lock:
+            if kernels not in self._jits:
+                # a function object of its own: jax keys its trace cache on the function, so
+                # a second jax.jit(fun) would reuse the other setting's traces
+                @functools.wraps(self._fun)
+                def traced(*args, **kwargs):
+                    return self._fun(*args, **kwargs)
+                self._jits[kernels] = jax.jit(traced, **self._jit_kwargs)
+            return self._jits[kernels]
 
     def __call__(self, *args, **kwargs):
         return self._current()(*args, **kwargs)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_fun", "_jit_kwargs", "_jits", "_lock"):
+            raise AttributeError(name)  # not set yet (copy, pickle): never recurse
         return getattr(self._current(), name)
 
 

@@ -297,7 +297,7 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=(
+@c.kernel_keyed_jit(static_argnames=(
     "sm_scale", "backend", "max_kv_len", "num_sms", "pages_per_block", "num_splits",
     "num_warps", "num_stages", "exact"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, layer=None,

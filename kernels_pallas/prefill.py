@@ -241,7 +241,7 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     return _scatter_tiles(out, src, num_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=(
+@c.kernel_keyed_jit(static_argnames=(
     "sm_scale", "backend", "block_rows", "pages_per_block", "num_warps", "num_stages",
     "exact"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *,

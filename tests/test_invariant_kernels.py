@@ -3,6 +3,7 @@
 kernel computes the trainer's gathered attention bit for bit, and with both on the whole
 chain (engine samples -> audit -> train step) stays exact. Interpret mode on CPU: the same
 kernel programs the GPU compiles; tests/test_cuda_lowering.py checks they lower for CUDA."""
+import copy
 import os
 import pathlib
 import subprocess
@@ -59,6 +60,12 @@ def test_a_column_slice_tiled_as_its_whole_weight_keeps_its_bits(dtype):
         for start in range(0, n, width):
             np.testing.assert_array_equal(np.asarray(f(x, w[:, start:start + width], n)),
                                           full[:, start:start + width])
+    # 576 columns (64-wide tiles) in four 144-column slices: slices start mid-tile
+    w576 = jnp.asarray(RNG.standard_normal((k, 576)), dtype)
+    full576 = np.asarray(f(x, w576, None))
+    for start in range(0, 576, 144):
+        np.testing.assert_array_equal(np.asarray(f(x, w576[:, start:start + 144], 576)),
+                                      full576[:, start:start + 144])
     wt = w.T  # [N, K]
     g = jax.jit(lambda x, w, cols: tiled_matmul(x, w, w_rows_out=True, backend="interpret",
                                                 columns=cols), static_argnums=2)
@@ -191,6 +198,19 @@ def test_jitted_entry_points_keep_a_program_per_setting(monkeypatch):
         assert ("pallas_call" in jaxpr()) == (setting == "interpret")
     assert traces == [None, "interpret"]  # trace() hits the cache of each setting too
     assert f._cache_size() == 1  # the current setting's own cache
+    copied = copy.copy(f)  # attribute lookups on a blank instance do not recurse
+    np.testing.assert_array_equal(np.asarray(copied(x, w)), np.asarray(f(x, w)))
+
+
+def test_every_entry_point_that_traces_the_setting_is_kernel_keyed():
+    from jaxrl_cache.rl import logprobs, sft, train
+    from jaxrl_cache.rollout import core
+    from kernels_pallas import paged_decode_attention, paged_prefill_attention
+    from kernels_pallas._common import KernelKeyedJit
+    for entry in (core.prefill_step, core.decode_chunk, logprobs._next_token_log_probs,
+                  sft.sft_step, train._score, train._train_jit, train._train_jit_donating,
+                  paged_prefill_attention, paged_decode_attention):
+        assert isinstance(entry, KernelKeyedJit), entry
 
 
 def _packed_rows(group: int):

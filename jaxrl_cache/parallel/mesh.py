@@ -64,7 +64,7 @@ def kv_layout(config: ModelConfig, tensor: int) -> tuple[int, int]:
 
 
 def rollout_rules(config: ModelConfig, tensor: int) -> Rules:
-    """Megatron tensor parallelism for the paged forwards (see `kv_layout`).
+    """Tensor parallelism for the paged forwards (see `kv_layout`).
 
     Every matrix is split by its output columns (see tensor_parallel: no partial sums):
     wq/wk/wv (+ biases), w_gate/w_up over heads / FFN; wo and w_down over d_model (their

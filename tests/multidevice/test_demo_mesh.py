@@ -2,11 +2,12 @@
 4, devices 4-7) reproduce the single-device run of the same seed.
 
 What is equal, and why: both runs start from the same HF policy (a short SFT on one device)
-and draw every token from the same per-sample PRNG stream. The mesh changes only fp32
-reduction order (engine logprobs within ~1e-6, trainer params within ~1e-7), far below the
-gap a sampled token would need to flip, so every step samples the same tokens: rewards,
-exact match, generated token counts and the logged completion are identical at every step,
-and the loss agrees to 1e-6 absolute + 1e-4 relative. (Over a long run a near-tie draw
+and draw every token from the same per-sample PRNG stream. On XLA's dots the mesh changes
+only fp32 rounding (the engine's shards tile their weight slices unlike whole weights, the
+trainer's reductions run per shard: engine logprobs within ~1e-6, trainer params within
+~1e-7), far below the gap a sampled token would need to flip, so every step samples the
+same tokens: rewards, exact match, generated token counts and the logged completion are
+identical at every step, and the loss agrees to 1e-6 absolute + 1e-4 relative. (Over a long run a near-tie draw
 can eventually flip one token; from there the curves are two samples of the same process.)
 """
 import json

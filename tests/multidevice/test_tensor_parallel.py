@@ -1,6 +1,7 @@
 """Tensor-parallel paged forwards equal the single-device model: greedy tokens identical,
 logits within 1e-5 (fp32) on XLA's dots and bit for bit under the batch-invariant kernels,
 the KV pool holding the same K/V per (copied) kv head."""
+import dataclasses
 import functools
 
 import jax
@@ -77,33 +78,44 @@ KERNEL_CONFIG = ModelConfig.tiny(vocab_size=32, n_layers=2, d_model=64, n_heads=
                                  n_kv_heads=2, head_dim=16, d_ff=128)
 
 
-def test_sharded_forwards_are_bit_exact_under_the_invariant_kernels(monkeypatch):
+# bf16 with every bias, q/k norms and an untied head; d_model 192 and d_ff 384 cut the
+# matmul's 64- and 128-wide tiles mid-tile at tensor 4
+BF16_CONFIG = dataclasses.replace(
+    KERNEL_CONFIG, d_model=192, d_ff=384, dtype="bfloat16", qkv_bias=True, out_bias=True,
+    qk_norm=True, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("config,tensors", [(KERNEL_CONFIG, (2, 4, 8)), (BF16_CONFIG, (4,))],
+                         ids=["fp32", "bf16-biases-untied"])
+def test_sharded_forwards_are_bit_exact_under_the_invariant_kernels(config, tensors,
+                                                                    monkeypatch):
     """Under JAXRL_CACHE_KERNELS every shard's columns are tiled as the whole weight's and
     no partial sums are reduced, so the tensor-parallel prefill and decode give the single
     device's logits and K/V bit for bit, at every tensor size (copied kv heads included).
     On XLA's dots the same layout differs in the last bits (the calibrated case)."""
     monkeypatch.setenv(KERNELS_ENV, "interpret")
-    params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x,
-                          init_params(KERNEL_CONFIG, jax.random.key(0)))
+    params = jax.tree.map(  # random biases and norms too: none of them may be dropped
+        lambda x: x * 8.0 if x.ndim >= 2 else x + 0.1 * jax.random.normal(
+            jax.random.key(x.size), x.shape, x.dtype),
+        init_params(config, jax.random.key(0)))
 
     def run(mesh):
         wrap = (lambda f: f) if mesh is None else (lambda f: shard_forward(f, mesh))
-        fs = [jax.jit(lambda p, kv, *a, f=f: wrap(f)(p, KERNEL_CONFIG, kv, *a,
-                                                       backend="interpret"))
+        fs = [jax.jit(lambda p, kv, *a, f=f: wrap(f)(p, config, kv, *a, backend="interpret"))
               for f in (prefill_forward, decode_forward)]
         if mesh is None:
-            p, kv = params, init_kv_cache(KERNEL_CONFIG, common.NUM_PAGES, common.PAGE_SIZE)
+            p, kv = params, init_kv_cache(config, common.NUM_PAGES, common.PAGE_SIZE)
         else:
-            p = jax.device_put(params, rollout_shardings(params, KERNEL_CONFIG, mesh))
-            kv = engine_kv_cache(KERNEL_CONFIG, common.NUM_PAGES, common.PAGE_SIZE, mesh)
+            p = jax.device_put(params, rollout_shardings(params, config, mesh))
+            kv = engine_kv_cache(config, common.NUM_PAGES, common.PAGE_SIZE, mesh)
         return common.greedy(*fs, p, kv, 2)
 
     ref_tokens, ref_logits, ref_kv = run(None)
-    for tensor in (2, 4, 8):
+    for tensor in tensors:
         tokens, logits, kv = run(make_mesh({"tensor": tensor}, jax.devices()[:tensor]))
         np.testing.assert_array_equal(tokens, ref_tokens)
         np.testing.assert_array_equal(logits, ref_logits)
-        _, copies = kv_layout(KERNEL_CONFIG, tensor)
+        _, copies = kv_layout(config, tensor)
         for got, want in zip(jax.tree.leaves(kv), jax.tree.leaves(ref_kv)):
             np.testing.assert_array_equal(np.asarray(got),
                                           np.repeat(np.asarray(want), copies, axis=-3))
