@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import MASK_VALUE
-from kernels_pallas.blocked import KEY_BLOCK
+from kernels_pallas.blocked import KEY_BLOCK, value_width
 
 LOG2E = math.log2(math.e)
 # Query rows of every dot of the compiled exact kernels (decode pads its GQA group to it,
@@ -147,8 +147,10 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
     references' left-to-right chains; blocks outside [first_block, last_block) hold no
     visible key and would add exact zeros. The score dot spans the whole block (N = block_k):
     XLA:CPU (interpret mode) gives the reference's bits for N a multiple of 64.
-    f32_scores: q and k in fp32 for the score dot (interpret mode, as blocked.block_scores);
-    else in their own dtype (the GPU: bf16 products are exact either way, MMA at full rate).
+    f32_scores: interpret mode, mirroring the references' XLA dots: q and k in fp32 for the
+    score dot (as blocked.block_scores), and p @ v at `blocked.value_width` columns (v
+    zero-padded, as blocked.block_values); else q and k in their own dtype (the GPU: bf16
+    products are exact either way, MMA at full rate) and p @ v at the chunk's width.
     p @ v runs in fp32 (v converted; TF32 on the GPU).
 
     q: tuple of [rows, size] chunks; mask(i, block_k) -> bool [rows or 1, block_k] visible
@@ -194,13 +196,21 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         valid = key_valid(i * parts + j, KEY_BLOCK)[:, None]  # keys i*block_k + j*16 + ...
         return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
 
+    def weighted(pj, v):
+        """pj [rows, KEY_BLOCK] @ v [KEY_BLOCK, size], at the references' width."""
+        size = v.shape[1]
+        width = value_width(size) if f32_scores else size
+        if width != size:
+            v = jnp.pad(v, ((0, 0), (0, width - size)))
+        return _dot(pj, v, 0)[:, :size]
+
     def body(i, carry):
         o, l = carry
         p = jnp.where(mask(i, block_k), jnp.exp(scores(i, pages(i)) - top), 0.0)
         o = list(o)
         for j, pj in enumerate(_parts(p, parts, 1)):
             l = l + halving_sum(pj)
-            o = [oc + _dot(pj, values(i, j, off, size), 0) for oc, (off, size) in zip(o, chunks)]
+            o = [oc + weighted(pj, values(i, j, off, size)) for oc, (off, size) in zip(o, chunks)]
         return tuple(o), l
 
     carry = (tuple(jnp.zeros((rows, size), jnp.float32) for _, size in chunks),

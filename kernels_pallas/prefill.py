@@ -17,7 +17,6 @@ folded), masking only the blocks that cross the diagonal or the sequence end.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import _common as c
 from kernels_pallas._flash import (EXACT_DOT_ROWS, exact_loop, exact_program, head_dim_chunks,
                                    load_chunks, paged_flash_loop, store_chunks)
-from kernels_pallas.blocked import (KEY_BLOCK, MIN_QUERY_ROWS, blocked_attention,
-                                    gathered_attention_backward)
+from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention_backward
 
 
 # Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
@@ -140,12 +138,7 @@ def _prefill_pallas(q, k_pages, v_pages, page_offset, page_table, cu_q_lens, kv_
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    if interpret and exact and block_rows is None:
-        # The reference's query tiles: XLA:CPU's p @ v dot [M, 16] x [16, 32] (head_dim 32)
-        # gives other bits from M = 64 on, so the kernel's rows mirror the reference's M.
-        block_q = min(_REFERENCE_BLOCK_Q, c.next_power_of_2(num_tokens))
-        rows = max(MIN_QUERY_ROWS, block_q * group)
-    elif exact and block_rows is None:  # one dot shape everywhere (_flash.EXACT_DOT_ROWS)
+    if exact and block_rows is None:  # one dot shape everywhere (_flash.EXACT_DOT_ROWS)
         rows = max(EXACT_DOT_ROWS, c.next_power_of_2(group))
         block_q = rows // group
     else:
@@ -286,10 +279,6 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                            block_rows=block_rows, pages_per_block=pages_per_block,
                            num_warps=num_warps, num_stages=num_stages,
                            interpret=backend == "interpret", exact=exact)
-
-
-# paged_prefill_reference's query tile (tokens), which interpret mode mirrors (exact=True)
-_REFERENCE_BLOCK_Q = inspect.signature(paged_prefill_reference).parameters["block_q"].default
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -132,16 +132,34 @@ def test_blocked_attention_gradients_are_attention_gradients():
     assert half.dtype == jnp.bfloat16
 
 
-def test_head_sizes_whose_dots_keep_the_order():
-    """The probe behind rl.audit.tolerance_for: at head_dim 32 XLA:CPU's p @ v dot changes
-    its bits with the row count (from 64 rows), so an engine of such a model is audited at
-    the calibrated tolerance instead of comparing bits; 16, 64 and 128 keep the order."""
-    from jaxrl_cache.models import ModelConfig
-    from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, tolerance_for
-    from jaxrl_cache.rollout import CacheConfig, RolloutEngine
-    from kernels_pallas.blocked import batch_invariant
-    assert [batch_invariant(d) for d in (16, 32, 64, 128)] == [True, False, True, True]
-    for head_dim, want in ((16, 0.0), (32, CALIBRATED_TOLERANCE)):
+def test_every_head_size_keeps_the_order_with_p_at_v_at_its_measured_width():
+    """The probe behind rl.audit.tolerance_for. XLA:CPU's p @ v dot [M, 16] x [16, D] gives
+    a row other bits at few rows than among many at D = 32, 48, 80 and 96 (the fact), so
+    `block_values` runs it zero-padded to `value_width` (the next power of two, or its
+    double: 32 -> 64, 80 -> 128), where it does not; every head size then keeps the order
+    and an engine of such a model is audited at tolerance 0, its samples reproducing bit
+    for bit on the xla backend."""
+    from jaxrl_cache.models import ModelConfig, init_params
+    from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, audit_attribution, tolerance_for
+    from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+    from kernels_pallas.blocked import _values_keep_rows, batch_invariant, value_width
+    sizes = (16, 32, 48, 64, 80, 96, 128)
+    assert [_values_keep_rows(d) for d in sizes] == [True, False, False, True, False, False,
+                                                     True]
+    assert [value_width(d) for d in sizes] == [16, 64, 64, 64, 128, 128, 128]
+    assert all(batch_invariant(d) for d in sizes)
+    prompts = [list(range(1, 20)), list(range(5, 9))]
+    for head_dim in (32, 80):
         config = ModelConfig.tiny(vocab_size=32, head_dim=head_dim)
-        engine = RolloutEngine(config, CacheConfig(num_pages=16, page_size=4))
-        assert tolerance_for(engine) == want
+        params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x,
+                              init_params(config, jax.random.key(head_dim)))
+        engine = RolloutEngine(config, CacheConfig(num_pages=32, page_size=4), backend="xla")
+        assert tolerance_for(engine) == 0.0
+        batch = engine.rollout(params, 0, prompts, SamplingParams(n=3, max_new_tokens=6),
+                               rng=jax.random.key(0))
+        report = audit_attribution(batch, {0: params}, config)
+        assert report.ok and report.exact and report.max_abs_diff == 0.0, report
+        # the interpret kernels chunk 80 as 64 + 16: not the trainer's XLA attention bits
+        kernel = RolloutEngine(config, CacheConfig(num_pages=32, page_size=4),
+                               backend="interpret")
+        assert tolerance_for(kernel) == (0.0 if head_dim == 32 else CALIBRATED_TOLERANCE)
