@@ -283,10 +283,10 @@ gathered_attention.defvjp(_gathered_forward, gathered_attention_backward)
 @functools.lru_cache(maxsize=None)
 def batch_invariant(head_dim: int, dtype: str = "float32") -> bool:
     """Whether this backend's dots keep the blocked order's bits at `head_dim` whatever the
-    number of query rows (measured once: scores and p @ v of the same rows alone, among 64
-    and among 512). True at head_dim 16, 64 and 128 on XLA:CPU; False at 32, where a
-    [M, 16] x [16, 32] dot gives other bits from M = 64 on: exactness then does not hold and
-    the audit takes the calibrated tolerance (rl.audit.tolerance_for)."""
+    number of query rows (measured once: `block_scores` and `block_values` of the same rows
+    alone, among 64 and among 512). On XLA:CPU true at every head size tried (16-128), as
+    `block_values` runs p @ v at `value_width`; where it is false, exactness does not hold
+    and the audit takes the calibrated tolerance (rl.audit.tolerance_for)."""
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval():
         q = jnp.asarray(rng.standard_normal((2, 512, head_dim)), dtype)

@@ -35,8 +35,9 @@ def test_exact_numerics_show_no_difference_at_any_level():
 @pytest.fixture
 def unpadded_values(monkeypatch):
     """p @ v at the head size itself (`blocked.value_width` undone): at head_dim 32 the
-    XLA:CPU dot that breaks exactness; jit caches are cleared on both sides, so no program
-    traced one way serves the other."""
+    XLA:CPU dot that breaks exactness (the xla backend's; the interpret kernels keep their
+    own reference to it); jit caches are cleared on both sides, so no program traced one
+    way serves the other."""
     from kernels_pallas import blocked
     jax.clear_caches()
     monkeypatch.setattr(blocked, "value_width", lambda head_dim: head_dim)

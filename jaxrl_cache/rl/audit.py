@@ -59,8 +59,10 @@ def tolerance_for(engine) -> float:
     blocked order: `kernels_pallas.blocked.batch_invariant`, true of every size once p @ v
     runs at `blocked.value_width`; on a tensor-parallel mesh only under the batch-invariant
     kernels, which tile each shard's columns as the whole weight), CALIBRATED_TOLERANCE
-    otherwise (a GPU, the compiled pallas kernels, a mesh on XLA's dots, the interpret
-    kernels at a head size that is no power of two against the trainer's XLA attention)."""
+    otherwise (a GPU, the compiled pallas kernels, a mesh on XLA's dots, and a head size
+    that is no power of two when the engine's attention and the trainer's run on different
+    sides of the kernels setting: an interpret engine with the setting off, or an xla one
+    with it on)."""
     backend = getattr(engine, "backend", "xla")
     exact = exact_platform(engine) and backend in ("xla", "interpret")
     if exact and getattr(engine, "mesh", None) is not None:
@@ -68,9 +70,10 @@ def tolerance_for(engine) -> float:
     config = getattr(engine, "model_config", None)
     if exact and config is not None:  # the dots keep the order at this head size (probe)
         exact = batch_invariant(config.head_dim, config.dtype)
-        if backend == "interpret" and invariant_kernels() is None:
-            # the kernels split a head size that is no power of two into power-of-two
-            # chunks (80 = 64 + 16); the XLA attention the trainer runs does not
+        if (backend == "interpret") != (invariant_kernels() is not None):
+            # one side's attention runs the kernels, which split a head size that is no
+            # power of two into power-of-two chunks (80 = 64 + 16), the other XLA's whole-D
+            # dots (the trainer's attention follows the setting, the engine its backend)
             exact = exact and is_power_of_2(config.head_dim)
     return AUDIT_TOLERANCE if exact else CALIBRATED_TOLERANCE
 
