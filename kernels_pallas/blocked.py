@@ -113,7 +113,7 @@ def _values_keep_rows(width: int) -> bool:
     """Whether `_values_dot` at value width `width` gives every row the bits it has among
     512 rows, at 1, 4, 64 and 100 rows (measured eagerly on the default backend)."""
     rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
         p = jnp.asarray(rng.random((2, 8, 512, KEY_BLOCK)), jnp.float32)
         v = jnp.asarray(rng.standard_normal((2, 8, KEY_BLOCK, width)), jnp.float32)
         dot = jax.jit(_values_dot)
@@ -288,7 +288,7 @@ def batch_invariant(head_dim: int, dtype: str = "float32") -> bool:
     `block_values` runs p @ v at `value_width`; where it is false, exactness does not hold
     and the audit takes the calibrated tolerance (rl.audit.tolerance_for)."""
     rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
         q = jnp.asarray(rng.standard_normal((2, 512, head_dim)), dtype)
         k = key_blocks(jnp.asarray(rng.standard_normal((2, 128, head_dim)), dtype), -2)
         p = jnp.asarray(rng.random((2, 8, 512, KEY_BLOCK)), jnp.float32)

@@ -174,3 +174,19 @@ def test_every_head_size_keeps_the_order_with_p_at_v_at_its_measured_width():
                                    rng=jax.random.key(0))
             report = audit_attribution(batch, {0: params}, config)
             assert report.ok and report.exact and report.max_abs_diff == 0.0, report
+
+
+def test_the_one_off_probes_run_inside_a_trace_that_disallows_transfers():
+    """The row-count probes (`value_width`, `batch_invariant`, `invariant_rows`) measure
+    with host arrays the first time a size is traced; a caller's
+    jax.transfer_guard("disallow") does not turn that into an error (sizes used nowhere
+    else, so each is measured here for the first time)."""
+    from kernels_pallas.blocked import batch_invariant
+    q = jnp.ones((1, 4, 112))
+    visible = jnp.ones((4, 4), bool)
+    x, w = jnp.ones((3, 41)), jnp.ones((41, 23))
+    with jax.transfer_guard("disallow"):
+        out = jax.jit(lambda q: blocked_attention(q, q, q, visible, 0.5))(q)
+        np.testing.assert_array_equal(np.asarray(out), np.ones((1, 4, 112)))
+        np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), np.full((3, 23), 41.0))
+        assert batch_invariant(112)

@@ -45,7 +45,7 @@ def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
     bits it gets among REFERENCE_ROWS rows, for a [rows, k] x [k, n] dot (w [n, k] when
     w_rows_out) in `dtype` on the default backend. Measured eagerly, once per process."""
     rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
         x = jnp.asarray(rng.standard_normal((REFERENCE_ROWS, k)), dtype)
         w = jnp.asarray(rng.standard_normal((n, k) if w_rows_out else (k, n)), dtype)
         dot = jax.jit(_dot, static_argnums=2)
