@@ -10,6 +10,7 @@ their input unchanged, so single-device programs are the same programs.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -41,9 +42,7 @@ def per_batch_shard(f: Callable, *xs: jax.Array):
     if not axes:
         return f(*xs)
     mesh = jax.sharding.get_abstract_mesh()
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
+    size = math.prod(mesh.shape[a] for a in axes)
     if any(x.ndim == 0 or x.shape[0] % size for x in xs):
         warnings.warn(f"per_batch_shard: leading dims {[x.shape[:1] for x in xs]} do not "
                       f"divide by the batch axes' {size} devices: f runs on the whole batch "

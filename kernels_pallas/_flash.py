@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import MASK_VALUE
-from kernels_pallas.blocked import KEY_BLOCK, value_width
+from kernels_pallas.blocked import KEY_BLOCK, values_at_width
 
 LOG2E = math.log2(math.e)
 # Query rows of every dot of the compiled exact kernels (decode pads its GQA group to it,
@@ -197,12 +197,11 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
 
     def weighted(pj, v):
-        """pj [rows, KEY_BLOCK] @ v [KEY_BLOCK, size], at the references' width."""
-        size = v.shape[1]
-        width = value_width(size) if f32_scores else size
-        if width != size:
-            v = jnp.pad(v, ((0, 0), (0, width - size)))
-        return _dot(pj, v, 0)[:, :size]
+        """pj [rows, KEY_BLOCK] @ v [KEY_BLOCK, size] (at the references' width in
+        interpret mode)."""
+        if not f32_scores:
+            return _dot(pj, v, 0)
+        return _dot(pj, values_at_width(v), 0)[:, :v.shape[1]]
 
     def body(i, carry):
         o, l = carry

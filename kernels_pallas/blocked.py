@@ -128,9 +128,9 @@ def value_width(head_dim: int) -> int:
     dot keeps a row's bits whatever the row count, else the first zero-padded width that
     does among the next power of two and its doubles (up to 4x; head_dim when none does:
     `batch_invariant` then reports the size inexact). Measured once per process. On
-    XLA:CPU 32 -> 64 (its [M, 16] x [16, 32] dot gives a row other bits at 1 or 4 rows
-    than among 512); 16, 64 and 128 keep their width. Zero columns change no other
-    column, and they are sliced off."""
+    XLA:CPU 32 and 48 -> 64, 80 and 96 -> 128 (at their own width the [M, 16] x [16, D]
+    dot gives a row other bits at 1 or 4 rows than among 512); 16, 64 and 128 keep
+    theirs. Zero columns change no other column, and they are sliced off."""
     first = next_power_of_2(head_dim)
     for width in dict.fromkeys((head_dim, first, 2 * first, 4 * first)):
         if _values_keep_rows(width):
@@ -138,15 +138,18 @@ def value_width(head_dim: int) -> int:
     return head_dim
 
 
+def values_at_width(v):
+    """v [..., D] -> v zero-padded to [..., value_width(D)] columns (v itself when equal)."""
+    d = v.shape[-1]
+    width = value_width(d)
+    return v if width == d else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - d)])
+
+
 def block_values(p, v):
     """p f32 [..., NB, M, KEY_BLOCK], v [..., NB, KEY_BLOCK, D] (any float dtype, computed
     in f32) -> f32 [..., NB, M, D]; the dot runs at `value_width(D)` columns."""
     m, d = p.shape[-2], v.shape[-1]
-    v = v.astype(jnp.float32)
-    width = value_width(d)
-    if width != d:
-        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - d)])
-    return _values_dot(p, v)[..., :m, :d]
+    return _values_dot(p, values_at_width(v.astype(jnp.float32)))[..., :m, :d]
 
 
 def softmax_blocks(s, visible):

@@ -63,14 +63,14 @@ def tolerance_for(engine) -> float:
     that is no power of two when the engine's attention and the trainer's run on different
     sides of the kernels setting: an interpret engine with the setting off, or an xla one
     with it on)."""
-    backend = getattr(engine, "backend", "xla")
+    backend, kernels = getattr(engine, "backend", "xla"), invariant_kernels()
     exact = exact_platform(engine) and backend in ("xla", "interpret")
     if exact and getattr(engine, "mesh", None) is not None:
-        exact = invariant_kernels() is not None
+        exact = kernels is not None
     config = getattr(engine, "model_config", None)
     if exact and config is not None:  # the dots keep the order at this head size (probe)
         exact = batch_invariant(config.head_dim, config.dtype)
-        if (backend == "interpret") != (invariant_kernels() is not None):
+        if (backend == "interpret") != (kernels is not None):
             # one side's attention runs the kernels, which split a head size that is no
             # power of two into power-of-two chunks (80 = 64 + 16), the other XLA's whole-D
             # dots (the trainer's attention follows the setting, the engine its backend)
@@ -245,10 +245,10 @@ def refuse(step: int, batch, report: AuditReport) -> None:
     """AuditError (a RuntimeError) naming the flagged samples of a call, if any."""
     if not report.ok:
         raise AuditError(f"step {step}: the attribution audit flagged samples "
-                           f"{list(report.flagged)[:8]} of a call at version "
-                           f"{batch.version} (max |diff| {report.max_abs_diff:.3g} at "
-                           f"tolerance {report.tolerance:.3g}, missing versions "
-                           f"{list(report.missing_versions)})")
+                         f"{list(report.flagged)[:8]} of a call at version "
+                         f"{batch.version} (max |diff| {report.max_abs_diff:.3g} at "
+                         f"tolerance {report.tolerance:.3g}, missing versions "
+                         f"{list(report.missing_versions)})")
 
 
 def _checked_in_step(samples, version: int) -> int:
