@@ -15,7 +15,9 @@ resolves into it), under the same interpreter (this one unless --python).
    the whole command's wall time (compiles, evaluation and export included).
 2. The rollout alone: the jaxrl side of benchmarks/rollout_vs_transformers.py (its
    prompts, 8 chat prompts x n=8 x 64 new tokens, workloads "chat" and "system", prefix
-   reuse on, a new version per call): one warm-up call per workload, then --reps timed calls.
+   reuse on, a new version per call; "chat-no-reuse" / "system-no-reuse": the same with
+   CacheConfig(prefix_cache=False), every sample prefilling its own prompt): one warm-up
+   call per workload, then --reps timed calls.
 
 3. With --parts profile: per-op timings in each tree (`run_profile`): decode step, prefill,
    the trainer's forward + backward, and in the exact tree the same with its row padding or
@@ -56,10 +58,11 @@ sampling = SamplingParams(n=GROUP, max_new_tokens=NEW, temperature=1.0)
 out = {"jaxrl_cache_file": jaxrl_cache.__file__}
 version = 0
 for w in workloads:
-    prompts = chat_prompts(tok, system=w == "system")
+    prompts = chat_prompts(tok, system=w.startswith("system"))
     longest = max(map(len, prompts)) + NEW
     engine = RolloutEngine(config, CacheConfig(num_pages=PROMPTS * GROUP * (-(-longest // 16))
-                                               + 64, page_size=16),
+                                               + 64, page_size=16,
+                                               prefix_cache=not w.endswith("-no-reuse")),
                            scheduler_config=SchedulerConfig(max_num_seqs=PROMPTS * GROUP),
                            backend="xla")
     times = []
@@ -285,7 +288,8 @@ def summarise(runs: list[dict], keys) -> dict:
 def markdown(res: dict) -> str:
     """The tables of a result (e2e per run and medians, rollout, profile)."""
     lines = ["| round | tree | s/step | rollout s | audit s | train s | step 1 s | wall s | "
-             "peak RSS MiB | load before |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak RSS MiB | load before |", "|---|---|---|---|---|---|---|---|---|---|"
+             ] if res["e2e"] else []
     for x in res["e2e"]:
         lines.append(f"| {x['round']} | {x['tree']} | {x['step_seconds']:.2f} | "
                      f"{x['rollout_seconds']:.2f} | {x['audit_seconds']:.3f} | "
