@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 
+WORKLOADS = ("chat", "system", "chat-no-reuse", "system-no-reuse")  # ROLLOUT_CHILD parses
+
 ROLLOUT_CHILD = r"""
 import json, sys, time, jax, jaxrl_cache
 from benchmarks.rollout_vs_transformers import GROUP, NEW, PROMPTS, chat_prompts
@@ -321,7 +323,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {k} | " + " | ".join(
                 str(x[v].get(k, "")) for x in res["profile"] for v in x
                 if isinstance(x[v], dict)) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def main(argv=None) -> dict:
@@ -333,7 +335,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per demo run")
     p.add_argument("--reps", type=int, default=2, help="timed rollout calls per workload")
-    p.add_argument("--workloads", default="chat,system")
+    p.add_argument("--workloads", default="chat,system",
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--parts", default="e2e,rollout",
                    help="comma-separated: e2e, rollout, profile (per-op timings)")
     p.add_argument("--rollout-rounds", type=int, default=None,
@@ -350,6 +353,9 @@ def main(argv=None) -> dict:
         return {}
     if not (args.base_tree and args.exact_tree):
         p.error("--base-tree and --exact-tree are required")
+    unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        p.error(f"unknown workloads {unknown}: choose from {', '.join(WORKLOADS)}")
     model = args.model.expanduser()
     if not (model / "config.json").exists():
         raise SystemExit(f"{model} has no config.json: run scripts/fetch_smollm2.py first")
