@@ -236,24 +236,34 @@ def test_new_versions_and_params_never_recompile():
             rollout_core.decode_chunk._cache_size()) == sizes
 
 
-def test_a_smaller_prefill_reuses_a_compiled_shape():
+def test_a_smaller_prefill_runs_in_a_compiled_shape_once_then_in_its_own(monkeypatch):
     """A round that prefills fewer tokens / sequences than one before (radix hits, another
-    admission split) runs in the compiled larger shape (up to 4x its tokens): nothing
-    compiles, and its samples carry the same bits as on an engine that never saw the larger
-    prefill."""
+    admission split) runs in the compiled larger shape (up to 4x its tokens) the first time:
+    nothing compiles. When the same smaller bucket comes again it compiles its own shape
+    (steady use pays no padding), and from then on runs in it. Every call's samples carry
+    the same bits as on an engine that never saw the larger prefill."""
     sp = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
     big = [list(range(1 + i, 14 + i)) for i in range(4)]  # 4 sequences, 52 new tokens
     small = [[9, 4, 7, 2, 5, 11, 3, 8, 6, 10, 12, 13, 1]]  # 1 sequence of 13: another
     #   (tokens, seqs) bucket at the same page-table width
+    shapes, real_prefill = [], rollout_core.prefill_step
+
+    def prefill_spy(params, kv, tokens, token_seq, token_pos, table, *rest, **kw):
+        shapes.append((tokens.shape[0], table.shape[0]))
+        return real_prefill(params, kv, tokens, token_seq, token_pos, table, *rest, **kw)
+
+    monkeypatch.setattr(rollout_core, "prefill_step", prefill_spy)
     engine, params = make_engine(), varied_params(0)
     engine.rollout(params, 0, big, sp, rng=jax.random.key(0))
-    size = rollout_core.prefill_step._cache_size()
-    got = engine.rollout(params, 0, small, sp, rng=jax.random.key(1))
-    assert rollout_core.prefill_step._cache_size() == size
-    fresh = make_engine().rollout(params, 0, small, sp, rng=jax.random.key(1))
-    for a, b in zip(got.samples, fresh.samples):
-        assert a.output_ids == b.output_ids
-        np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+    size = real_prefill._cache_size()
+    got = [engine.rollout(params, v, small, sp, rng=jax.random.key(v)) for v in (1, 2, 3)]
+    assert shapes == [(64, 4), (64, 4), (16, 1), (16, 1)]
+    assert real_prefill._cache_size() == size + 1  # the recurring bucket, once
+    for v, batch in zip((1, 2, 3), got):
+        fresh = make_engine().rollout(params, v, small, sp, rng=jax.random.key(v))
+        for a, b in zip(batch.samples, fresh.samples):
+            assert a.output_ids == b.output_ids
+            np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
 
 
 class TestScheduler:

@@ -642,7 +642,8 @@ class RolloutEngine:
             units = run.admit(claims)
             if not units:
                 return bool(earlier)
-            run.record_prefill(*self._runner.prefill(params, run, units, keep=earlier))
+            run.record_prefill(*self._runner.prefill(params, run, units, claims.trie_tokens,
+                                                      keep=earlier))
             claims.publish(units)
             earlier += [slot for _, slots in units for slot in slots]
 

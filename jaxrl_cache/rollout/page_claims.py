@@ -25,6 +25,8 @@ class Round:
         self.run, self.cache, self.ps, self.share = run, run.cache, run.ps, run.share
         self.key = run.key
         self.pending: dict = {}  # page key -> (page, children): prompt pages being prefilled
+        self.trie_tokens = 0  # the longest prefix a unit took from the trie (earlier rounds or
+        #   calls of this version): what its prefill would also compute a version later
 
     def unit(self, first: scheduler.Request, rows: int, budget: int | None
              ) -> scheduler.Unit | None:
@@ -109,6 +111,8 @@ class Round:
         except CacheFullError:
             return None
         cache.pool.incref(extra)
+        if current:
+            self.trie_tokens = max(self.trie_tokens, in_trie * ps)
         matched = np.concatenate([matches[0].pages if matches else np.zeros(0, np.int32),
                                   extra]).astype(np.int32)
         return matched, fresh, m

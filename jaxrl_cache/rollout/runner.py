@@ -150,7 +150,8 @@ def _resize_rows(x, rows: int):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
-PREFILL_PAD = 4  # a prefill may reuse a compiled shape of up to this many times its tokens
+PREFILL_PAD = 4  # a one-off prefill may run in a compiled shape of up to this many times its
+#   tokens (`Runner._prefill_shape`)
 
 
 class Runner:
@@ -164,6 +165,7 @@ class Runner:
         self.device, self.mesh = device, mesh
         self.shared_widths: dict[tuple[int, int], set[int]] = {}  # (rows, width) -> shared
         self.prefill_shapes: dict[int, set[tuple[int, int]]] = {}  # width -> (tokens, seqs)
+        self.prefill_asks: dict[int, set[tuple[int, int]]] = {}  # width -> buckets asked for
         self._check_pool_fits()
         self.kv = self.fresh_pool()
 
@@ -205,18 +207,20 @@ class Runner:
         """True iff a failed core call left the (donated) pool deleted."""
         return any(x.is_deleted() for x in jax.tree.leaves(self.kv))
 
-    def prefill(self, params, run: scheduler.Run, units, keep: list[int] | None = None):
+    def prefill(self, params, run: scheduler.Run, units, trie_tokens: int,
+                keep: list[int] | None = None):
         """One packed prefill of the round's units ((unit, slots) pairs) with `params`.
         Returns (the logits its fresh rows start decoding from f32 [slots, V], the prompt
-        tokens computed). keep: slots an earlier prefill of this step filled (their logits,
-        run.fresh_logits, are kept)."""
+        tokens computed). trie_tokens: the longest prefix a unit took from the radix trie
+        (page_claims.Round). keep: slots an earlier prefill of this step filled (their
+        logits, run.fresh_logits, are kept)."""
         cfg = self.scheduler_config
         total = sum(u.new_tokens for u, _ in units)
-        whole = min(sum(len(u.prompt) for u, _ in units), 2 * total,
-                    max(total, cfg.max_prefill_tokens))
+        # what the round computes a version later, when the trie's prefix is new KV once
+        room = min(total + trie_tokens, 2 * total, max(total, cfg.max_prefill_tokens))
         tokens, seqs = self._prefill_shape(max(16, next_power_of_2(total)),
                                            next_power_of_2(len(units)), run.width,
-                                           max(16, next_power_of_2(whole)))
+                                           max(16, next_power_of_2(room)))
         arrays = pack_prefill(units, tokens, seqs, run.width, cfg.max_num_seqs, run.ps)
         logits, self.kv = core.prefill_step(
             params, self._pool(), *dataclasses.astuple(arrays),
@@ -228,18 +232,27 @@ class Runner:
         return logits, total
 
     def _prefill_shape(self, tokens: int, seqs: int, width: int,
-                       whole: int) -> tuple[int, int]:
-        """(tokens, seqs) of the packed prefill: the smallest shape prefilled before at this
-        width that holds this one with at most PREFILL_PAD x its tokens, else a new one of
-        `whole` tokens (room for the units' prompts without their cache hits, up to twice
-        the tokens: the same prompt lengths a version later, when the prefixes the cache
-        served are new KV, then fit it). A round whose radix hits or admission split give a smaller
-        prefill than an earlier round then compiles nothing (padding tokens are position
-        -1: no output changes)."""
-        seen = self.prefill_shapes.setdefault(width, set())
-        fits = [(t, s) for t, s in seen if tokens <= t <= PREFILL_PAD * tokens and seqs <= s]
-        shape = min(fits) if fits else (max(tokens, whole), seqs)
-        seen.add(shape)
+                       room: int) -> tuple[int, int]:
+        """(tokens, seqs) of the packed prefill at this table width (padding tokens are
+        position -1: no output changes).
+
+        - A compiled shape of exactly `tokens` (and at least `seqs`) runs it.
+        - The first time a bucket is asked for, the smallest compiled shape of up to
+          PREFILL_PAD x its tokens runs it: a one-off smaller prefill (a later step's radix
+          hits, another admission split) compiles nothing.
+        - Otherwise (a bucket that recurs, or none fits) it compiles its own shape, of
+          `room` tokens where that is more (the same prompts a version later, when the
+          prefix the trie served is new KV, then fit it): steady use pays no padding.
+        """
+        compiled = self.prefill_shapes.setdefault(width, set())
+        asked = self.prefill_asks.setdefault(width, set())
+        fits = [(t, s) for t, s in compiled if tokens <= t <= PREFILL_PAD * tokens and seqs <= s]
+        if fits and (min(fits)[0] == tokens or (tokens, seqs) not in asked):
+            asked.add((tokens, seqs))
+            return min(fits)
+        asked.add((tokens, seqs))
+        shape = (max(tokens, room), seqs)
+        compiled.add(shape)
         return shape
 
     def _shared_width(self, rows: int, width: int, most: int) -> int:
