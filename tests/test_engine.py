@@ -381,6 +381,27 @@ def test_a_new_version_without_prefix_hits_reuses_the_first_prefill_shape():
         np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
 
 
+def test_a_prefix_shared_within_the_round_does_not_widen_the_prefill(monkeypatch):
+    """Prompts sharing a system prompt within one call (a new version each call, as in
+    GRPO: nothing in the trie) prefill it once, and the packed prefill is compiled for the
+    tokens computed, not for every prompt whole (that padded 256 chat tokens to 512 on
+    every call)."""
+    system = list(range(1, 2 * PS + 1))  # two pages, computed once by the first unit
+    prompts = [system + [40 + i] * 3 for i in range(4)]  # 19 + 3 x 3 = 28 computed, 76 whole
+    shapes, real_prefill = [], rollout_core.prefill_step
+
+    def prefill_spy(params, kv, tokens, *rest, **kw):
+        shapes.append(tokens.shape[0])
+        return real_prefill(params, kv, tokens, *rest, **kw)
+
+    monkeypatch.setattr(rollout_core, "prefill_step", prefill_spy)
+    engine, params = make_engine(), varied_params(2)
+    sp = SamplingParams(n=2, max_new_tokens=3, temperature=1.0)
+    got = [engine.rollout(params, v, prompts, sp, rng=jax.random.key(v)) for v in (0, 1)]
+    assert [b.prefill_tokens for b in got] == [28, 28]
+    assert shapes == [32, 32]
+
+
 def test_prompts_sharing_more_pages_reuse_the_compiled_shared_width():
     """A call whose prompts share more leading pages than an earlier call's sends the shared
     page count compiled before (the rest stay in each row's table): no new decode program,
