@@ -9,7 +9,8 @@ resolves into it), under the same interpreter (this one unless --python).
 1. End to end, the path users run: the CLI on SmolLM2-135M-Instruct with its chat template,
        python -m jaxrl_cache.app.cli demo --model DIR --task examples/tasks/add.jsonl
            --steps S --prompts-per-step 2 --group-size 8 --max-new-tokens 24 --lr 2e-5 ...
-   (2 prompts x 8 samples x 24 new tokens, two rollout calls per step: the default), under
+   (--shape 2x8x24: 2 prompts x 8 samples x 24 new tokens, two rollout calls per step: the
+   default; 8x8x128 is the README's larger shape), under
    /usr/bin/time -v (peak RSS). From its metrics.jsonl: median step_seconds,
    rollout_seconds, audit_seconds and train_seconds over steps 2..S (step 1 compiles), and
    the whole command's wall time (compiles, evaluation and export included).
@@ -208,11 +209,13 @@ def peak_rss_mib(time_v: str) -> float | None:
 
 
 def run_demo(python: str, tree: pathlib.Path, model: pathlib.Path, steps: int, out: pathlib.Path,
-             extra: list[str]) -> dict:
+             shape: tuple[int, int, int], extra: list[str]) -> dict:
+    """One CLI demo run; shape = (prompts per step, group size, max new tokens)."""
     task = tree / "examples/tasks/add.jsonl"
+    prompts, group, new = map(str, shape)
     cmd = ["/usr/bin/time", "-v", python, "-m", "jaxrl_cache.app.cli", "demo",
            "--model", str(model), "--task", str(task), "--steps", str(steps),
-           "--prompts-per-step", "2", "--group-size", "8", "--max-new-tokens", "24",
+           "--prompts-per-step", prompts, "--group-size", group, "--max-new-tokens", new,
            "--lr", "2e-5", "--eval-prompts", "2", "--checkpoint-every", str(steps + 1),
            "--seed", "0", "--out", str(out), "--overwrite", *extra]
     before = load()
@@ -334,6 +337,8 @@ def main(argv=None) -> dict:
         "JAXRL_SMOLLM2_DIR", "~/.cache/jaxrl_cache/SmolLM2-135M-Instruct")).expanduser())
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per demo run")
+    p.add_argument("--shape", default="2x8x24",
+                   help="e2e: prompts per step x group size x max new tokens")
     p.add_argument("--reps", type=int, default=2, help="timed rollout calls per workload")
     p.add_argument("--workloads", default="chat,system",
                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
@@ -364,6 +369,9 @@ def main(argv=None) -> dict:
             for name, t in trees.items()}
     print(json.dumps(info), flush=True)
     parts = args.parts.split(",")
+    shape = tuple(int(x) for x in args.shape.lower().split("x"))
+    if len(shape) != 3 or min(shape) < 1:
+        raise SystemExit(f"--shape must be PxGxN with positive sizes, got {args.shape!r}")
     e2e, rollout, profile = [], [], []
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="exact_cost_"))
     for r in range(args.rounds):
@@ -371,7 +379,7 @@ def main(argv=None) -> dict:
         for name in order:
             if "e2e" in parts:
                 res = run_demo(args.python, trees[name], model, args.steps,
-                               scratch / f"{name}-{r}", [])
+                               scratch / f"{name}-{r}", shape, [])
                 e2e.append(dict(round=r + 1, tree=name, **res))
                 print("e2e", json.dumps(e2e[-1]), flush=True)
             if "rollout" in parts and r < (args.rollout_rounds or args.rounds):
@@ -390,7 +398,8 @@ def main(argv=None) -> dict:
         machine=f"CPU, {len(os.sched_getaffinity(0))} cores, shared with other engineers' jobs",
         python=platform.python_version(), interpreter=args.python,
         xla_flags=os.environ.get("XLA_FLAGS", ""), model=model.name, trees=info,
-        rounds=args.rounds, steps=args.steps, order="ABBA (base, exact, exact, base, ...)",
+        rounds=args.rounds, steps=args.steps, shape=args.shape,
+        order="ABBA (base, exact, exact, base, ...)",
         e2e=e2e, rollout=rollout, profile=profile,
         e2e_median=summarise(e2e, ["step_seconds", "rollout_seconds", "audit_seconds",
                                    "train_seconds", "first_step_seconds", "wall_seconds",
