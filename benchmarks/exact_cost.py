@@ -329,6 +329,17 @@ def markdown(res: dict) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+def shape_arg(text: str) -> tuple[int, int, int]:
+    """--shape's argparse type: the peers' parser (benchmarks/peers/common.py), its
+    ValueError turned into argparse's usage error."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "peers"))
+    import common
+    try:
+        return common.parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-tree", type=pathlib.Path)
@@ -337,7 +348,7 @@ def main(argv=None) -> dict:
         "JAXRL_SMOLLM2_DIR", "~/.cache/jaxrl_cache/SmolLM2-135M-Instruct")).expanduser())
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per demo run")
-    p.add_argument("--shape", default="2x8x24",
+    p.add_argument("--shape", default="2x8x24", type=shape_arg,
                    help="e2e: prompts per step x group size x max new tokens")
     p.add_argument("--reps", type=int, default=2, help="timed rollout calls per workload")
     p.add_argument("--workloads", default="chat,system",
@@ -369,9 +380,6 @@ def main(argv=None) -> dict:
             for name, t in trees.items()}
     print(json.dumps(info), flush=True)
     parts = args.parts.split(",")
-    shape = tuple(int(x) for x in args.shape.lower().split("x"))
-    if len(shape) != 3 or min(shape) < 1:
-        raise SystemExit(f"--shape must be PxGxN with positive sizes, got {args.shape!r}")
     e2e, rollout, profile = [], [], []
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="exact_cost_"))
     for r in range(args.rounds):
@@ -379,7 +387,7 @@ def main(argv=None) -> dict:
         for name in order:
             if "e2e" in parts:
                 res = run_demo(args.python, trees[name], model, args.steps,
-                               scratch / f"{name}-{r}", shape, [])
+                               scratch / f"{name}-{r}", args.shape, [])
                 e2e.append(dict(round=r + 1, tree=name, **res))
                 print("e2e", json.dumps(e2e[-1]), flush=True)
             if "rollout" in parts and r < (args.rollout_rounds or args.rounds):
@@ -398,7 +406,7 @@ def main(argv=None) -> dict:
         machine=f"CPU, {len(os.sched_getaffinity(0))} cores, shared with other engineers' jobs",
         python=platform.python_version(), interpreter=args.python,
         xla_flags=os.environ.get("XLA_FLAGS", ""), model=model.name, trees=info,
-        rounds=args.rounds, steps=args.steps, shape=args.shape,
+        rounds=args.rounds, steps=args.steps, shape="x".join(map(str, args.shape)),
         order="ABBA (base, exact, exact, base, ...)",
         e2e=e2e, rollout=rollout, profile=profile,
         e2e_median=summarise(e2e, ["step_seconds", "rollout_seconds", "audit_seconds",

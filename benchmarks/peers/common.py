@@ -19,10 +19,21 @@ TEMPERATURE, LR, SEED = 1.0, 2e-5, 0
 INT = re.compile(r"-?\d+")
 
 
+def parse_shape(shape: str) -> tuple[int, int, int]:
+    """"PxGxT" -> (prompts per step, samples per prompt, new tokens), each positive;
+    ValueError naming the form otherwise."""
+    parts = shape.lower().split("x")
+    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"shape must be PxGxT with positive integers (e.g. 2x8x24), "
+                         f"got {shape!r}")
+    prompts, group, new = map(int, parts)
+    return prompts, group, new
+
+
 def set_shape(shape: str) -> None:
-    """PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS from "PxGxT"."""
+    """PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS from "PxGxT" (`parse_shape`)."""
     global PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS
-    PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS = (int(x) for x in shape.split("x"))
+    PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS = parse_shape(shape)
 
 
 def messages(prompt: str) -> list[dict]:
