@@ -21,9 +21,10 @@ LOG2E = math.log2(math.e)
 EXACT_DOT_ROWS = 64
 # ... and the same program around it: warps and keys per block by head_dim (from ptxas for
 # sm_90, benchmarks/results/kernel_resources-*.md: the exact kernel holds p and an fp32
-# p @ v, so 4 warps spill at D=128 and 8 do not; D=256 at 64 keys spills, at 32 it does not).
+# p @ v, so 4 warps spill at D=128 and 8 do not; keys per block are KEY_BLOCK, the order's
+# block: D=256 at 64 keys, 8 warps, 244 registers, no spills since p @ v is one K = 64 dot).
 EXACT_WARPS = {64: 4, 128: 8, 256: 8}
-EXACT_BLOCK_K = {128: 64, 256: 32}
+EXACT_BLOCK_K = {128: KEY_BLOCK, 256: KEY_BLOCK}
 
 
 def exact_program(head_dim: int) -> tuple[int, int]:
@@ -193,7 +194,7 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         page_ids = pages_ref[pl.ds(i * pages_per_block + first_key // page_size, sub_pages)]
         v = v_ref[page_ids + page_offset, pl.ds(first_key % page_size, sub_keys),
                   pl.ds(off, size)].reshape(KEY_BLOCK, size)
-        valid = key_valid(i * parts + j, KEY_BLOCK)[:, None]  # keys i*block_k + j*16 + ...
+        valid = key_valid(i * parts + j, KEY_BLOCK)[:, None]  # keys i*block_k + j*KB + ...
         return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
 
     def weighted(pj, v):

@@ -5,7 +5,7 @@ causal forward all reduce in this order, so a query sees the same bits whichever
 batched, paged or packed:
 
 - keys are cut into blocks of KEY_BLOCK consecutive positions, aligned at position 0 of
-  the query's own sequence (a packed training row starts every sequence on a block edge);
+  the query's own sequence;
 - a block's scores are one dot of K = head_dim (`block_scores`), scaled by one multiply;
 - the row maximum is taken over every visible key (a max is exact in any order);
 - a block's probabilities exp(s - max) are summed by a fixed halving tree (`tree_sum`), its
@@ -14,9 +14,16 @@ batched, paged or packed:
   contribute exact zeros, and x + 0 == x, so blocks before a sequence's start (other
   segments of a packed row) or after its end (padding, free page slots) change nothing.
 
+Packed training rows are laid out in TILEs: a sequence starts on a multiple of TILE (not
+of KEY_BLOCK, which would pad every sequence by up to 63 columns), and the trainer gathers
+each query tile's keys TILE by TILE in its sequence's order (`gathered_attention`), so a
+run of KEY_BLOCK // TILE gathered tiles is exactly one of the sequence's key blocks.
+
 The dots rely on one property of the XLA:CPU dot, checked by tests/test_numerics.py: an
 element of a batched [M, K] x [K, N] dot with these K and N does not depend on M (M > 1)
-or on the batch it is in.
+or on the batch it is in. KEY_BLOCK = 64 rather than 16: a quarter of the p @ v dots and
+block results to chain (prefill of 5 x 400 tokens on 2 cores: 3.45 -> 2.9 s); at 128 the
+prefill kernel's interpret-mode dots no longer give the trainer's bits.
 """
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ import numpy as np
 
 from kernels_pallas._common import next_power_of_2
 
-KEY_BLOCK = 16  # keys per block; sequences in packed rows start on multiples of it
+KEY_BLOCK = 64  # keys per block of the reduction order, from each sequence's position 0
+TILE = 16  # packed rows' granule: sequences start on multiples of it; the trainer's query
+#            tiles and gathered key lists are in units of it (KEY_BLOCK is a multiple)
 MIN_QUERY_ROWS = 4  # rows of a dot are padded up to this (a 1-row dot is a gemv)
 SCORE_KEYS = 64  # keys of a score dot are padded to a multiple of this (see block_scores)
 
@@ -229,28 +238,43 @@ blocked_attention.defvjp(_attention_forward, _attention_backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def gathered_attention(q, k, v, blocks, visible, scale: float):
-    """`blocked_attention` over only the key blocks each query block can see: the same bits
-    (a block no query of the tile sees adds exact zeros there, so leaving it out changes
-    nothing), with work proportional to the visible blocks, not to the row.
+    """`blocked_attention` over only the keys each query tile can see: the same bits (a key
+    block no query of the tile sees adds exact zeros there, so leaving it out changes
+    nothing), with work proportional to the visible keys, not to the row.
 
-    q [..., NQ, M, D] (queries in NQ tiles of M rows); k, v [..., L, D]; blocks int32
-    [..., NQ, KM]: the key blocks (of KEY_BLOCK keys) each tile attends to, increasing,
-    padded with any block index (those blocks must be invisible); visible bool
-    [..., NQ, M, KM * KEY_BLOCK] over the gathered keys. Returns f32 [..., NQ, M, D].
+    q [..., NQ, M, D] (queries in NQ tiles of M rows); k, v [..., L, D] (L a multiple of
+    TILE); blocks int32 [..., NQ, KM] (KM a multiple of KEY_BLOCK // TILE): the TILEs of
+    keys each query tile attends to, in its sequence's order, entry j holding the sequence's
+    positions TILE * j ... TILE * j + TILE - 1 (so each run of KEY_BLOCK // TILE entries is
+    one of its key blocks), padded with any index (those tiles must be invisible); visible
+    bool [..., NQ, M, KM * TILE] over the gathered keys. Returns f32 [..., NQ, M, D].
     The backward pass is dense attention's over the gathered keys (as `blocked_attention`).
     """
-    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)  # [..., NQ, KM, KB, D]
-    vis = visible.reshape(*visible.shape[:-1], blocks.shape[-1], KEY_BLOCK)
+    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)  # [..., NQ, NB, KB, D]
+    vis = visible.reshape(*visible.shape[:-1], -1, KEY_BLOCK)
     p, l_blocks = softmax_blocks(block_scores(q, kg, scale), jnp.moveaxis(vis, -2, -3))
     return combine_blocks(block_values(p, vg), l_blocks)
 
 
+def _tiles(x):
+    """x [..., L, D] (L a multiple of TILE) -> [..., L / TILE, TILE, D]."""
+    length = x.shape[-2]
+    if length % TILE:
+        raise ValueError(f"gathered keys need a row length that is a multiple of {TILE}, "
+                         f"got {length}")
+    return x.reshape(*x.shape[:-2], length // TILE, TILE, x.shape[-1])
+
+
 def _gather_blocks(x, blocks):
-    """x [..., L, D], blocks int32 [..., NQ, KM] -> [..., NQ, KM, KEY_BLOCK, D]."""
-    xb = key_blocks(x, -2)  # [..., NB, KB, D]
+    """x [..., L, D], blocks int32 [..., NQ, KM] -> [..., NQ, KM * TILE / KEY_BLOCK,
+    KEY_BLOCK, D]: each tile's listed TILEs, grouped into key blocks."""
+    per = KEY_BLOCK // TILE
+    if blocks.shape[-1] % per:
+        raise ValueError(f"a tile's key list must be a multiple of {per} entries (whole key "
+                         f"blocks), got {blocks.shape[-1]}")
     flat = blocks.reshape(*blocks.shape[:-2], -1)  # [..., NQ * KM]
-    picked = jnp.take_along_axis(xb, flat[..., None, None], axis=-3, mode="clip")
-    return picked.reshape(*blocks.shape, KEY_BLOCK, x.shape[-1])
+    picked = jnp.take_along_axis(_tiles(x), flat[..., None, None], axis=-3, mode="clip")
+    return picked.reshape(*blocks.shape[:-1], -1, KEY_BLOCK, x.shape[-1])
 
 
 def _gathered_forward(q, k, v, blocks, visible, scale):
@@ -260,22 +284,22 @@ def _gathered_forward(q, k, v, blocks, visible, scale):
 
 def gathered_attention_backward(scale, residuals, d_out):
     """Dense attention's backward on each tile's gathered keys; key cotangents are summed
-    back into their blocks (a block several tiles see gets all their shares)."""
+    back into their TILEs (one several query tiles see gets all their shares)."""
     q, k, v, blocks, visible, out = residuals
     kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)
-    kg = kg.reshape(*kg.shape[:-3], -1, kg.shape[-1])  # [..., NQ, KM * KB, D]
+    kg = kg.reshape(*kg.shape[:-3], -1, kg.shape[-1])  # [..., NQ, KM * TILE, D]
     vg = vg.reshape(*vg.shape[:-3], -1, vg.shape[-1])
     dq, dkg, dvg, _ = _attention_backward(scale, (q, kg, vg, visible, out), d_out)
 
-    def scatter(x, dg):  # dg [..., NQ, KM * KB, D] -> [..., L, D]
-        xb = key_blocks(x, -2)
-        lead, (nb, kb, d) = xb.shape[:-3], xb.shape[-3:]
-        dg = dg.reshape(*lead, -1, kb, d).astype(jnp.float32)  # [..., NQ * KM, KB, D]
+    def scatter(x, dg):  # dg [..., NQ, KM * TILE, D] -> [..., L, D]
+        xt = _tiles(x)
+        lead, (nt, d) = xt.shape[:-3], (xt.shape[-3], xt.shape[-1])
+        dg = dg.reshape(*lead, -1, TILE, d).astype(jnp.float32)  # [..., NQ * KM, TILE, D]
         idx = blocks.reshape(*lead, -1)  # blocks share x's leading dims
         flat_lead = int(np.prod(lead, dtype=np.int64))
-        total = jax.vmap(lambda i, g: jnp.zeros((nb, kb, d), jnp.float32).at[i].add(g))(
-            idx.reshape(flat_lead, -1), dg.reshape(flat_lead, -1, kb, d))
-        return total.reshape(*lead, nb * kb, d)[..., :x.shape[-2], :].astype(x.dtype)
+        total = jax.vmap(lambda i, g: jnp.zeros((nt, TILE, d), jnp.float32).at[i].add(g))(
+            idx.reshape(flat_lead, -1), dg.reshape(flat_lead, -1, TILE, d))
+        return total.reshape(*lead, nt * TILE, d).astype(x.dtype)
 
     return dq, scatter(k, dkg), scatter(v, dvg), None, None
 
@@ -293,9 +317,10 @@ def batch_invariant(head_dim: int, dtype: str = "float32") -> bool:
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
         q = jnp.asarray(rng.standard_normal((2, 512, head_dim)), dtype)
-        k = key_blocks(jnp.asarray(rng.standard_normal((2, 128, head_dim)), dtype), -2)
+        keys = 8 * KEY_BLOCK
+        k = key_blocks(jnp.asarray(rng.standard_normal((2, keys, head_dim)), dtype), -2)
         p = jnp.asarray(rng.random((2, 8, 512, KEY_BLOCK)), jnp.float32)
-        v = key_blocks(jnp.asarray(rng.standard_normal((2, 128, head_dim)), dtype), -2)
+        v = key_blocks(jnp.asarray(rng.standard_normal((2, keys, head_dim)), dtype), -2)
         scores = jax.jit(lambda q, k: block_scores(q, k, 0.5))
         values = jax.jit(block_values)
         s_ref, o_ref = np.asarray(scores(q, k)), np.asarray(values(p, v))

@@ -4,8 +4,8 @@ Each program owns one (sequence, kv head, split) and the whole GQA group of quer
 (padded to the 16 rows `tl.dot` needs).
 
 exact=True (the default): one split per (sequence, kv head), reducing in the canonical order
-of `kernels_pallas.blocked` (`_flash.exact_loop`: a max pass over the keys, then per 16-key
-block a tree-summed exp and a K = 16 dot with V, chained left to right), so in interpret mode
+of `kernels_pallas.blocked` (`_flash.exact_loop`: a max pass over the keys, then per 64-key
+block a tree-summed exp and a K = 64 dot with V, chained left to right), so in interpret mode
 the kernel returns `paged_decode_reference`'s bits, which the trainer's dense forward
 reproduces. Splitting the keys would break that chain, so there is no flash-decoding.
 
@@ -251,7 +251,8 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     `layer`; page_table int32 [B, W]; seq_lens int32 [B] -> [B, Hq, D]. Gathers the table's
     pages of one layer, never the layer. shared_pages int32 [S] (optional): the first S
     pages of every row (a shared prompt), gathered once and scored for all rows in one dot
-    when they end on a key-block edge; page_table then holds each row's pages after them.
+    up to their last key-block edge (pages after it join each row's table); page_table then
+    holds each row's pages after them.
     Shared pages must be fully written.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -261,10 +262,13 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
     group = num_q_heads // num_kv_heads
     scale = c.default_scale(sm_scale, head_dim)
     shared = 0 if shared_pages is None else shared_pages.shape[0]
-    if shared and (shared * page_size) % KEY_BLOCK:  # not on a block edge: per row
+    edge = shared  # shared pages up to the last key-block edge; the rest go per row
+    while edge and (edge * page_size) % KEY_BLOCK:
+        edge -= 1
+    if edge < shared:
         page_table = jnp.concatenate(
-            [jnp.broadcast_to(shared_pages, (batch, shared)), page_table], axis=1)
-        shared = 0
+            [jnp.broadcast_to(shared_pages[edge:], (batch, shared - edge)), page_table], axis=1)
+        shared_pages, shared = shared_pages[:edge], edge
     shared_keys = shared * page_size
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     k, v = c.gather_kv(k_pages, v_pages, page_table + page_offset)  # [B, Hkv, L, D]

@@ -8,7 +8,7 @@ program owns (tile, kv head) with the whole GQA group folded into its `block_row
 pages only up to the tile's causal bound. Tiles run longest-first.
 
 exact=True (the default) reduces in the canonical order of `kernels_pallas.blocked`
-(`_flash.exact_loop`: a max pass, then per 16-key block a tree-summed exp and a K = 16 dot
+(`_flash.exact_loop`: a max pass, then per 64-key block a tree-summed exp and a K = 64 dot
 with V, chained left to right): in interpret mode the kernel returns
 `paged_prefill_reference`'s bits, which the trainer's dense forward reproduces. It reads K
 twice and runs fp32 p @ v. exact=False: one pass with an online softmax in fp32 (exp2, scale
@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import _common as c
 from kernels_pallas._flash import (EXACT_DOT_ROWS, exact_loop, exact_program, head_dim_chunks,
                                    load_chunks, paged_flash_loop, store_chunks)
-from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention_backward
+from kernels_pallas.blocked import TILE, blocked_attention, gathered_attention_backward
 
 
 # Query rows (tokens x GQA group) per program, warps and keys per block, by head_dim. From
@@ -287,37 +287,37 @@ def gathered_prefill_attention(q, k, v, blocks, visible, scale: float, backend: 
     attention on the sampler's own program (on a GPU, where XLA's dots change their bits
     with the row count, the only way its bits can be the sampler's).
 
-    The row's keys are viewed as a pool of KEY_BLOCK-token pages and each query tile as a
-    sequence whose page table is its block list: the kernel's causal-by-position mask is
-    then `visible` for packed rows whose sequences start on block edges and whose tiles
-    list every block they see, their own last (`rl.packing` builds them so). Shapes as
-    `gathered_attention`: q [B, Hkv, NQ, KEY_BLOCK * G, D]; k, v [B, Hkv, L, D] (L a
-    multiple of KEY_BLOCK); blocks int32 [B, Hkv, NQ, KM] (the same for every head);
-    visible bool [B, 1, NQ, KEY_BLOCK * G, KM * KEY_BLOCK] (counts the blocks a tile sees).
-    Returns f32 [B, Hkv, NQ, KEY_BLOCK * G, D]. The backward pass is gathered_attention's.
+    The row's keys are viewed as a pool of TILE-token pages and each query tile as a
+    sequence whose page table is its list of TILEs: the kernel's causal-by-position mask is
+    then `visible` for packed rows whose sequences start on tile edges and whose tiles
+    list every TILE they see in their sequence's order, their own last (`rl.packing` builds
+    them so). Shapes as `gathered_attention`: q [B, Hkv, NQ, TILE * G, D]; k, v
+    [B, Hkv, L, D] (L a multiple of TILE); blocks int32 [B, Hkv, NQ, KM] (the same for every
+    head); visible bool [B, 1, NQ, TILE * G, KM * TILE] (counts the TILEs a tile sees).
+    Returns f32 [B, Hkv, NQ, TILE * G, D]. The backward pass is gathered_attention's.
     """
     return _gathered_prefill(q, k, v, blocks, visible, scale, backend)
 
 
 def _gathered_prefill(q, k, v, blocks, visible, scale, backend):
     batch, hkv, nq, rows, d = q.shape
-    group, length = rows // KEY_BLOCK, k.shape[2]
-    nb, km = length // KEY_BLOCK, blocks.shape[-1]
-    seen = visible.reshape(batch, nq, rows, km, KEY_BLOCK).any(axis=(2, 4))  # [B, NQ, KM]
-    kv_lens = (KEY_BLOCK * seen.sum(-1)).astype(jnp.int32).reshape(-1)  # [B * NQ]
+    group, length = rows // TILE, k.shape[2]
+    nb, km = length // TILE, blocks.shape[-1]
+    seen = visible.reshape(batch, nq, rows, km, TILE).any(axis=(2, 4))  # [B, NQ, KM]
+    kv_lens = (TILE * seen.sum(-1)).astype(jnp.int32).reshape(-1)  # [B * NQ]
     table = (jnp.arange(batch, dtype=jnp.int32)[:, None, None] * nb
              + jnp.clip(blocks[:, 0], 0, nb - 1)).reshape(batch * nq, km)
 
-    def pool(x):  # [B, Hkv, L, D] -> pages [B * NB, Hkv, KEY_BLOCK, D]
-        x = x.reshape(batch, hkv, nb, KEY_BLOCK, d).transpose(0, 2, 1, 3, 4)
-        return x.reshape(batch * nb, hkv, KEY_BLOCK, d)
+    def pool(x):  # [B, Hkv, L, D] -> pages [B * NB, Hkv, TILE, D]
+        x = x.reshape(batch, hkv, nb, TILE, d).transpose(0, 2, 1, 3, 4)
+        return x.reshape(batch * nb, hkv, TILE, d)
 
-    packed = q.reshape(batch, hkv, nq, KEY_BLOCK, group, d).transpose(0, 2, 3, 1, 4, 5)
-    packed = packed.reshape(batch * nq * KEY_BLOCK, hkv * group, d)
-    cu_q_lens = jnp.arange(batch * nq + 1, dtype=jnp.int32) * KEY_BLOCK
+    packed = q.reshape(batch, hkv, nq, TILE, group, d).transpose(0, 2, 3, 1, 4, 5)
+    packed = packed.reshape(batch * nq * TILE, hkv * group, d)
+    cu_q_lens = jnp.arange(batch * nq + 1, dtype=jnp.int32) * TILE
     out = paged_prefill_attention(packed, pool(k), pool(v), table, cu_q_lens, kv_lens,
                                   sm_scale=scale, backend=backend)  # [B * NQ * KB, Hq, D]
-    out = out.reshape(batch, nq, KEY_BLOCK, hkv, group, d).transpose(0, 3, 1, 2, 4, 5)
+    out = out.reshape(batch, nq, TILE, hkv, group, d).transpose(0, 3, 1, 2, 4, 5)
     return out.reshape(q.shape).astype(jnp.float32)
 
 

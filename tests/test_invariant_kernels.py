@@ -16,7 +16,7 @@ import pytest
 
 from kernels_pallas import (KERNELS_ENV, gathered_prefill_attention, invariant_kernels,
                             kernel_keyed_jit, resolve_backend)
-from kernels_pallas.blocked import KEY_BLOCK, gathered_attention
+from kernels_pallas.blocked import KEY_BLOCK, TILE, blocked_attention, gathered_attention
 from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
 from kernels_pallas.normaliser import BLOCK_V, CHUNK_V, chunk_size, log_sum_exp
 
@@ -213,42 +213,86 @@ def test_every_entry_point_that_traces_the_setting_is_kernel_keyed():
         assert isinstance(entry, KernelKeyedJit), entry
 
 
+# Two packed rows of 8 TILEs, as rl.packing lays them out (segment, parent per tile): row 0
+# holds sequences A (tiles 0-4, crossing a key-block edge) and B (tiles 5-7, starting
+# mid-block in the row); row 1 a shared prefix P (tiles 0-2) and samples S1 (3-5) and S2
+# (6-7) attending to it, whose first key blocks mix P's tiles and their own.
+SEGMENTS = np.array([[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 2, 2, 2, 3, 3]])
+PARENTS = np.array([[0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1]])
+
+
 def _packed_rows(group: int):
-    """Two packed rows of 4 key blocks, as rl.packing lays them out: row 0 holds sequences A
-    (blocks 0-1) and B (2-3); row 1 a shared prefix P (block 0) and samples S1 (blocks 1-2)
-    and S2 (block 3) attending to it. -> (blocks [2, NQ, KM], visible [2, NQ, KB*G, KM*KB])."""
-    blocks = np.array([[[0, -1, -1], [0, 1, -1], [2, -1, -1], [2, 3, -1]],
-                       [[0, -1, -1], [0, 1, -1], [0, 1, 2], [0, 3, -1]]], np.int32)
-    segments = np.repeat(np.array([[1, 1, 2, 2], [1, 2, 2, 3]]), KEY_BLOCK, axis=1)
-    parents = np.repeat(np.array([[0, 0, 0, 0], [0, 1, 1, 1]]), KEY_BLOCK, axis=1)
-    cols = np.maximum(blocks, 0)[..., None] * KEY_BLOCK + np.arange(KEY_BLOCK)  # [2, NQ, KM, KB]
-    cols = cols.reshape(2, 4, -1)
-    q_cols = np.arange(4 * KEY_BLOCK).reshape(4, KEY_BLOCK)
-    visible = np.zeros((2, 4, KEY_BLOCK, cols.shape[-1]), bool)
+    """-> (blocks int32 [2, NQ, KM] (each tile's TILEs in its sequence's order: its parent's,
+    then its own up to itself; -1 after), visible bool [2, NQ, TILE * G, KM * TILE])."""
+    nq = SEGMENTS.shape[1]
+    km = -(-nq // (KEY_BLOCK // TILE)) * (KEY_BLOCK // TILE)
+    blocks = np.full((2, nq, km), -1, np.int32)
     for b in range(2):
-        for t in range(4):
-            for i in range(KEY_BLOCK):
-                qc = q_cols[t, i]
-                kc = cols[b, t]
+        for t in range(nq):
+            seg, par = SEGMENTS[b, t], PARENTS[b, t]
+            seen = [u for u in range(nq) if par and SEGMENTS[b, u] == par]
+            seen += [u for u in range(t + 1) if SEGMENTS[b, u] == seg]
+            blocks[b, t, :len(seen)] = seen
+    segments, parents = np.repeat(SEGMENTS, TILE, axis=1), np.repeat(PARENTS, TILE, axis=1)
+    cols = (np.maximum(blocks, 0)[..., None] * TILE + np.arange(TILE)).reshape(2, nq, -1)
+    q_cols = np.arange(nq * TILE).reshape(nq, TILE)
+    visible = np.zeros((2, nq, TILE, cols.shape[-1]), bool)
+    for b in range(2):
+        for t in range(nq):
+            for i in range(TILE):
+                qc, kc = q_cols[t, i], cols[b, t]
                 seg = segments[b, kc]
                 sees = (seg == segments[b, qc]) | ((seg == parents[b, qc]) & (parents[b, qc] > 0))
-                valid = np.repeat(blocks[b, t] >= 0, KEY_BLOCK)
+                valid = np.repeat(blocks[b, t] >= 0, TILE)
                 visible[b, t, i] = sees & valid & (kc <= qc)
     return blocks, np.repeat(visible, group, axis=2)
+
+
+def test_gathered_attention_gives_each_packed_sequence_its_own_bits():
+    """Each sequence of the packed rows, attended alone from position 0 in the canonical
+    order (`blocked_attention`: the sampler's), has the bits gathered_attention gives its
+    rows: a sequence starting mid-block in its row, and one whose key blocks mix a shared
+    prefix's TILEs with its own, included."""
+    hkv, group, d, nq = 2, 2, 16, SEGMENTS.shape[1]
+    blocks, visible = _packed_rows(group)
+    q = RNG.standard_normal((2, hkv, nq, TILE * group, d)).astype(np.float32)
+    k = RNG.standard_normal((2, hkv, nq * TILE, d)).astype(np.float32)
+    v = RNG.standard_normal((2, hkv, nq * TILE, d)).astype(np.float32)
+    heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None],
+                                    (2, hkv, *blocks.shape[1:]))
+    got = np.asarray(jax.jit(gathered_attention, static_argnums=5)(
+        q, k, v, heads_blocks, jnp.asarray(visible)[:, None], 0.25))
+    checked = 0
+    for b in range(2):
+        for seg in range(1, SEGMENTS[b].max() + 1):
+            own = [t for t in range(nq) if SEGMENTS[b, t] == seg]
+            par = PARENTS[b, own[0]]
+            keys = [t for t in range(nq) if par and SEGMENTS[b, t] == par] + own
+            cols = (np.array(keys)[:, None] * TILE + np.arange(TILE)).reshape(-1)
+            first = len(keys) - len(own)  # the sequence's own rows start at this tile
+            qs = q[b][:, own].reshape(hkv, -1, d)  # [Hkv, own * TILE * G, D]
+            pos = np.repeat(first * TILE + np.arange(len(own) * TILE), group)
+            causal = np.arange(len(cols))[None, :] <= pos[:, None]
+            want = np.asarray(blocked_attention(qs, k[b][:, cols], v[b][:, cols],
+                                                causal[None], 0.25))
+            np.testing.assert_array_equal(got[b][:, own].reshape(want.shape), want)
+            checked += 1
+    assert checked == 5  # A, B, P, S1, S2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_prefill_kernel_computes_the_trainers_gathered_attention(dtype):
     """Packed rows with separate sequences and a shared prefix: the prefill kernel over the
-    row's blocks as pages returns gathered_attention's bits (in the model's dtype, as the
+    row's TILEs as pages returns gathered_attention's bits (in the model's dtype, as the
     model casts it), and its gradient (bf16: the kernel's output, a residual of the shared
     backward pass, is already rounded)."""
-    hkv, group, d = 2, 2, 16
+    hkv, group, d, nq = 2, 2, 16, SEGMENTS.shape[1]
     blocks, visible = _packed_rows(group)
-    q = jnp.asarray(RNG.standard_normal((2, hkv, 4, KEY_BLOCK * group, d)), dtype)
-    k = jnp.asarray(RNG.standard_normal((2, hkv, 4 * KEY_BLOCK, d)), dtype)
-    v = jnp.asarray(RNG.standard_normal((2, hkv, 4 * KEY_BLOCK, d)), dtype)
-    heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None], (2, hkv, 4, 3))
+    q = jnp.asarray(RNG.standard_normal((2, hkv, nq, TILE * group, d)), dtype)
+    k = jnp.asarray(RNG.standard_normal((2, hkv, nq * TILE, d)), dtype)
+    v = jnp.asarray(RNG.standard_normal((2, hkv, nq * TILE, d)), dtype)
+    heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None],
+                                    (2, hkv, *blocks.shape[1:]))
     vis = jnp.asarray(visible)[:, None]
     want = jax.jit(gathered_attention, static_argnums=5)(q, k, v, heads_blocks, vis, 0.25)
     kernel = jax.jit(lambda *a: gathered_prefill_attention(*a, 0.25, "interpret"))

@@ -174,18 +174,19 @@ def test_prefill_sequence_without_new_tokens(backend):
         np.testing.assert_allclose(np.asarray(out[cu[b]:cu[b + 1]]), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("block_rows,pages_per_block,exact", [(16, 2, True), (32, 2, True),
+@pytest.mark.parametrize("block_rows,pages_per_block,exact", [(16, 8, True), (32, 8, True),
                                                               (16, 1, False)])
 def test_prefill_interpret_many_tiles_per_sequence(block_rows, pages_per_block, exact):
     """Small query tiles (4 and 8 tokens of a group of 4): several tiles per sequence, each
-    stopping at its causal bound, run longest first (blocks of 16 keys, and 8 for the
+    stopping at its causal bound, run longest first (blocks of 64 keys, and 8 for the
     online softmax)."""
     prefill_case("interpret", 8, 8, 2, 64, jnp.float32, cached=True, block_rows=block_rows,
                  pages_per_block=pages_per_block, exact=exact)
 
 
 def test_exact_order_needs_whole_key_blocks():
-    """The exact kernels chain 16-key blocks: a kernel block of 8 keys is refused."""
+    """The exact kernels chain KEY_BLOCK (64)-key blocks: a kernel block of 8 keys is
+    refused."""
     rng = np.random.default_rng(14)
     k_pages, v_pages = random_pool(rng, 12, 2, 8, 64, jnp.float32)
     table = jnp.asarray(random_page_table(rng, 2, 3, 12))
@@ -477,8 +478,9 @@ def exact_pool(rng, lens, page_size, head_dim, dtype, layers):
 
 def exact_decode_case(page_size, group, head_dim, dtype, seed, layers=None):
     """Ragged rows (one token, two pages and 3, past the first 64-key score block), a padded
-    row (length 0); free slots poisoned; then the same rows behind shared prompt pages (on a
-    16-key block edge or not, by page size)."""
+    row (length 0); free slots poisoned; then the same rows behind shared prompt pages (72
+    keys: 64 shared and the pages after the key-block edge per row, or 64 on the edge, by
+    page size)."""
     rng = np.random.default_rng(seed)
     lens = [1, 2 * page_size + 3, 0, 75]
     k, v, table, layer_args = exact_pool(rng, lens, page_size, head_dim, dtype, layers)
@@ -486,7 +488,7 @@ def exact_decode_case(page_size, group, head_dim, dtype, seed, layers=None):
     args = (q, k, v, jnp.asarray(table), jnp.asarray(lens, jnp.int32))
     want = paged_decode_attention(*args, backend="xla", **layer_args)
     assert_same_bits(paged_decode_attention(*args, backend="interpret", **layer_args), want)
-    shared = max(1, 24 // page_size)  # 24 keys (pages of 4, 8: off a block edge), 16, 32
+    shared = max(1, 72 // page_size)  # 72 keys (pages of 4, 8: off a block edge), else 64
     keys = shared * page_size
     shared_lens = jnp.asarray([keys, keys + 1, 0, 75], jnp.int32)
     common = jnp.asarray(table[3, :shared])
@@ -498,10 +500,10 @@ def exact_decode_case(page_size, group, head_dim, dtype, seed, layers=None):
 
 
 def exact_prefill_case(page_size, group, head_dim, dtype, seed, layers=None):
-    """Cached prefixes (none, one page, a 16-key block edge, 70 tokens), new tokens ragged,
-    one, none, across several 64-key score blocks; padded T; free slots poisoned."""
+    """Cached prefixes (none, one page, a 64-key block edge, 70 tokens), new tokens ragged,
+    one, none, across several 64-key blocks; padded T; free slots poisoned."""
     rng = np.random.default_rng(seed)
-    q_lens, cached = [page_size + 3, 1, 0, 2 * page_size + 5], [0, page_size, 16, 70]
+    q_lens, cached = [page_size + 3, 1, 0, 2 * page_size + 5], [0, page_size, 64, 70]
     kv_lens = [c + n for c, n in zip(cached, q_lens)]
     k, v, table, layer_args = exact_pool(rng, kv_lens, page_size, head_dim, dtype, layers)
     q = jnp.asarray(rng.standard_normal((sum(q_lens) + 5, group * EXACT_HKV, head_dim)), dtype)

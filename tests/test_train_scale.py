@@ -139,7 +139,7 @@ def _per_sample(packed, values):
 
 
 def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
-    """Samples of one prompt lay out its whole KEY_BLOCKs once (parents): fewer computed
+    """Samples of one prompt lay out its whole TILEs once (parents): fewer computed
     tokens, every sampled token's log-prob the same bits as the recorded (dense, on-policy)
     one and as the unshared packing's, with attention over the whole row or over each
     tile's kv_blocks only, and the same gradient of a weighted log-prob sum."""

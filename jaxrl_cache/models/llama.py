@@ -22,7 +22,8 @@ from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import per_batch_shard, split_batch
 from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
                             paged_decode_attention, paged_prefill_attention, write_kv)
-from kernels_pallas.blocked import KEY_BLOCK, blocked_attention, gathered_attention, tree_sum
+from kernels_pallas.blocked import (KEY_BLOCK, TILE, blocked_attention, gathered_attention,
+                                    tree_sum)
 
 
 class DecoderLayers(nnx.Module):
@@ -178,16 +179,17 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     tokens int32 [B, T] (T <= max_seq_len); positions int32 [B, T] (default 0..T-1);
     segments int32 [B, T] (default: one segment per row): packed rows hold several
     sequences, a token attends only to earlier tokens of its own segment, and positions
-    restart per sequence; for the sampler's bits a sequence starts on a multiple of
-    KEY_BLOCK (`kernels_pallas.blocked`). parents int32 [B, T] (optional, with segments;
-    0 = none): a token also attends to the earlier tokens of segment parents[b, t] (a prefix
-    its sequence shares with others of the row, laid out once before them; the positions
-    then continue from the prefix's length). kv_blocks int32 [B, T / KEY_BLOCK, KM]
-    (optional, with segments): the key blocks each tile of KEY_BLOCK queries can see
-    (increasing, padded with -1): attention then runs on those blocks only
-    (`gathered_attention`, the same bits). Returns x [B, T, d_model] in the params' dtype.
-    Under JAXRL_CACHE_KERNELS (`kernels_pallas.invariant_kernels`) attention runs on the
-    prefill kernel for plain rows and rows with kv_blocks (packed rows without them: XLA).
+    restart per sequence; for the sampler's bits a sequence starts on a multiple of TILE
+    (`kernels_pallas.blocked`). parents int32 [B, T] (optional, with segments; 0 = none): a
+    token also attends to the earlier tokens of segment parents[b, t] (a prefix its sequence
+    shares with others of the row, laid out once before them; the positions then continue
+    from the prefix's length). kv_blocks int32 [B, T / TILE, KM] (optional, with segments;
+    KM a multiple of KEY_BLOCK / TILE): the TILEs of keys each tile of TILE queries can see,
+    in its sequence's order (its prefix's, then its own up to itself), padded with -1:
+    attention then runs on those only (`gathered_attention`); without them, packed rows
+    list every visible TILE themselves (`_tile_lists`, O(T^2)), with the same bits. Returns
+    x [B, T, d_model] in the params' dtype. Under JAXRL_CACHE_KERNELS
+    (`kernels_pallas.invariant_kernels`) attention runs on the sampler's prefill kernel.
     """
     batch, length = tokens.shape
     if segments is None and length > config.max_seq_len:  # packed rows: positions restart
@@ -199,7 +201,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
         # plain causal rows as one packed sequence each, so attention runs on the sampler's
         # prefill kernel too: tile t sees blocks 0..t (the zero tail changes no earlier row)
         padded = -(-length // KEY_BLOCK) * KEY_BLOCK
-        tiles = jnp.arange(padded // KEY_BLOCK, dtype=jnp.int32)
+        tiles = jnp.arange(padded // TILE, dtype=jnp.int32)
         causal = jnp.where(tiles[None, :] <= tiles[:, None], tiles[None, :], -1)
         x = hidden_states(params, config, jnp.pad(tokens, ((0, 0), (0, padded - length))),
                           jnp.pad(positions, ((0, 0), (0, padded - length)), mode="edge"),
@@ -207,16 +209,25 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
                           kv_blocks=jnp.broadcast_to(causal, (batch, *causal.shape)),
                           remat=remat)
         return x[:, :length]
+    if segments is not None and kv_blocks is None:
+        # every tile's visible TILEs listed from the rows themselves (rl.packing lists them
+        # on the host): a sequence's keys are then reduced in its own key blocks, not the row's
+        pad = -length % TILE
+        padded = [jnp.pad(x, ((0, 0), (0, pad)), mode=mode) for x, mode in (
+            (tokens, "constant"), (positions, "edge"), (segments, "constant"),
+            (jnp.zeros_like(segments) if parents is None else parents, "constant"))]
+        x = hidden_states(params, config, *padded, kv_blocks=_tile_lists(*padded[2:]),
+                          remat=remat)
+        return x[:, :length]
     if kv_blocks is not None:
-        if segments is None or length % KEY_BLOCK:
-            raise ValueError(f"kv_blocks needs segments and a row length that is a multiple "
-                             f"of {KEY_BLOCK} (packed rows), got length {length}")
+        if segments is None or length % TILE or kv_blocks.shape[-1] % (KEY_BLOCK // TILE):
+            raise ValueError(f"kv_blocks needs segments, a row length that is a multiple of "
+                             f"{TILE} (packed rows) and whole key blocks of {KEY_BLOCK // TILE} "
+                             f"tiles, got length {length}, kv_blocks {kv_blocks.shape}")
         attend = _gathered_attend(config, segments, parents, kv_blocks)
     else:
-        mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1 or B, T, T]
-        if segments is not None:
-            mask = mask & _sees(segments, parents)
-        visible = jnp.repeat(mask, group, axis=1)[:, None]  # [B or 1, 1, T * G, T]
+        mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1, T, T]
+        visible = jnp.repeat(mask, group, axis=1)[:, None]  # [1, 1, T * G, T]
 
         def attend(_, q, k, v, kv_cache):  # the sampler's order (kernels_pallas.blocked)
             qg = q.reshape(batch, length, hkv, group, hd).transpose(0, 2, 1, 3, 4)
@@ -240,25 +251,40 @@ def _sees(segments, parents):
     return same | ((parents[:, :, None] == segments[:, None, :]) & (parents[:, :, None] > 0))
 
 
+def _tile_lists(segments, parents):
+    """segments, parents int32 [B, T] (T a multiple of TILE; segment 0 = padding, which
+    sees nothing) -> kv_blocks int32 [B, T / TILE, KM]: the TILEs of keys some query of
+    each tile sees (`_sees`, causal), increasing, then -1 (KM: T / TILE rounded up to whole
+    key blocks). What rl.packing lists on the host, from [B, T, T] masks."""
+    batch, length = segments.shape
+    nq, per = length // TILE, KEY_BLOCK // TILE
+    mask = jnp.tril(jnp.ones((length, length), bool))[None] & _sees(segments, parents)
+    mask = mask & (segments > 0)[:, :, None]
+    seen = mask.reshape(batch, nq, TILE, nq, TILE).any(axis=(2, 4))  # [B, NQ, NQ]
+    order = jnp.argsort(~seen, axis=-1, stable=True).astype(jnp.int32)  # seen first, in order
+    blocks = jnp.where(jnp.take_along_axis(seen, order, -1), order, -1)
+    return jnp.pad(blocks, ((0, 0), (0, 0), (0, -nq % per)), constant_values=-1)
+
+
 def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
-    """attend() for packed rows over each query tile's visible key blocks only.
+    """attend() for packed rows over each query tile's visible keys only.
     segments, parents int32 [B, T]; kv_blocks int32 [B, NQ, KM] (-1 = none)."""
     batch, length = segments.shape
     nq, km = kv_blocks.shape[1:]
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
-    cols = (jnp.maximum(kv_blocks, 0)[..., None] * KEY_BLOCK
-            + jnp.arange(KEY_BLOCK, dtype=jnp.int32)).reshape(batch, nq * km * KEY_BLOCK)
-    valid = jnp.repeat(kv_blocks >= 0, KEY_BLOCK, axis=-1)  # [B, NQ, KM * KB]
+    cols = (jnp.maximum(kv_blocks, 0)[..., None] * TILE
+            + jnp.arange(TILE, dtype=jnp.int32)).reshape(batch, nq * km * TILE)
+    valid = jnp.repeat(kv_blocks >= 0, TILE, axis=-1)  # [B, NQ, KM * TILE]
     k_seg = jnp.take_along_axis(segments, cols, axis=1).reshape(batch, nq, 1, -1)
-    q_cols = jnp.arange(length, dtype=jnp.int32).reshape(1, nq, KEY_BLOCK, 1)
-    q_seg = segments.reshape(batch, nq, KEY_BLOCK, 1)
+    q_cols = jnp.arange(length, dtype=jnp.int32).reshape(1, nq, TILE, 1)
+    q_seg = segments.reshape(batch, nq, TILE, 1)
     sees = q_seg == k_seg
     if parents is not None:
-        q_par = parents.reshape(batch, nq, KEY_BLOCK, 1)
+        q_par = parents.reshape(batch, nq, TILE, 1)
         sees = sees | ((q_par == k_seg) & (q_par > 0))
     visible = sees & valid[:, :, None, :] & \
-        (cols.reshape(batch, nq, 1, -1) <= q_cols)  # [B, NQ, KB, KM * KB]
-    visible = jnp.repeat(visible, group, axis=2)[:, None]  # [B, 1, NQ, KB * G, KM * KB]
+        (cols.reshape(batch, nq, 1, -1) <= q_cols)  # [B, NQ, TILE, KM * TILE]
+    visible = jnp.repeat(visible, group, axis=2)[:, None]  # [B, 1, NQ, TILE * G, KM * TILE]
     blocks = jnp.broadcast_to(jnp.maximum(kv_blocks, 0)[:, None], (batch, hkv, nq, km))
 
     kernels = invariant_kernels()
@@ -272,11 +298,11 @@ def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
                 q, k, v, blocks, visible)
 
     def attend(_, q, k, v, kv_cache):
-        qg = q.reshape(batch, nq, KEY_BLOCK, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)
-        out = gathered(qg.reshape(batch, hkv, nq, KEY_BLOCK * group, hd),
+        qg = q.reshape(batch, nq, TILE, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)
+        out = gathered(qg.reshape(batch, hkv, nq, TILE * group, hd),
                        k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), blocks, visible,
-                       hd ** -0.5)  # [B, Hkv, NQ, KB * G, D]
-        out = out.reshape(batch, hkv, nq, KEY_BLOCK, group, hd).transpose(0, 2, 3, 1, 4, 5)
+                       hd ** -0.5)  # [B, Hkv, NQ, TILE * G, D]
+        out = out.reshape(batch, hkv, nq, TILE, group, hd).transpose(0, 2, 3, 1, 4, 5)
         return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
     return attend
 

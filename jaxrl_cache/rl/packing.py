@@ -1,18 +1,18 @@
 """Samples packed into micro-batches under a token budget.
 
 Sequences are packed first-fit-decreasing into rows of R tokens (several per row, each
-starting on a multiple of KEY_BLOCK: segment ids keep attention inside a sequence,
+starting on a multiple of TILE: segment ids keep attention inside a sequence,
 positions restart at 0), rows are grouped into M
 micro-batches of B rows (B x R <= token budget) for each of U mini-batches, all of one
 shape [U, M, B, R], so one compiled step serves every micro-batch. Samples of a mini-batch
-that share a prompt (a GRPO group) share its whole KEY_BLOCKs (`shared_prefix`): a row holds
-that prefix once, then each sample's rest from a block edge, attending to the prefix through
+that share a prompt (a GRPO group) share its whole TILEs (`shared_prefix`): a row holds
+that prefix once, then each sample's rest from a tile edge, attending to the prefix through
 `parents` (a sample's keys stay in the blocks, and the order, the sampler reduced them in, so
 its log-probs keep their bits; the prefix's forward and backward run once, not once per
 sample). A group too long for a row is split into units of the prefix + some samples.
 R is a multiple (1-4x, at most MAX_ROW unless one sequence needs more) of the longest
-sequence rounded up to KEY_BLOCK, or a group's prefix + its longest samples, whichever
-computes fewest tokens (attention runs on the key blocks a tile sees, `kv_blocks`, not on
+sequence rounded up to TILE, or a group's prefix + its longest samples, whichever
+computes fewest tokens (attention runs on the keys a tile sees, `kv_blocks`, not on
 the row); B is as small as the rows need (`rows_bucket`); mini-batches are balanced by tokens
 (`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import numpy as np
 
-from kernels_pallas.blocked import KEY_BLOCK
+from kernels_pallas.blocked import KEY_BLOCK, TILE
 
 ROW_ALIGN = 32  # the scored width K is a multiple of it (few LM-head shapes)
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
@@ -45,8 +45,9 @@ class PackedBatch:
     and advantages are the recorded log-prob, version and advantage of that target; audited
     is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
     another version). scored lists the positions whose log-prob the step needs (weight > 0),
-    so the LM head runs on those only (`scored_columns`); kv_blocks lists the key blocks
-    each tile of KEY_BLOCK positions sees, so attention skips the rest of the row.
+    so the LM head runs on those only (`scored_columns`); kv_blocks lists the TILEs of keys
+    each tile of TILE positions sees, in its sequence's order, so attention skips the rest
+    of the row.
     """
     tokens: jax.Array  # int32
     positions: jax.Array  # int32, restarting per sequence (continuing after a shared prefix)
@@ -59,8 +60,9 @@ class PackedBatch:
     advantages: jax.Array  # f32
     audited: jax.Array  # int32, 1 = sampled and not mixed
     scored: jax.Array  # int32 [U, M, B, K]: each row's columns with weight > 0, then R (pad)
-    kv_blocks: jax.Array  # int32 [U, M, B, R / KEY_BLOCK, KM]: the key blocks each tile of
-    # KEY_BLOCK columns attends to (its prefix's, then its own up to itself), -1 = none
+    kv_blocks: jax.Array  # int32 [U, M, B, R / TILE, KM]: the TILEs of keys each tile of
+    # TILE columns attends to (its prefix's, then its own up to itself), -1 = none; KM is a
+    # multiple of KEY_BLOCK / TILE (entry j = the sequence's j-th TILE: runs are key blocks)
 
     @property
     def computed_tokens(self) -> int:
@@ -83,10 +85,10 @@ def _first_fit(lengths, capacity: int) -> list[list[int]]:
 
 
 def shared_prefix(prompt_length: int) -> int:
-    """Tokens of a prompt its samples can share in a row: its whole KEY_BLOCKs before the
+    """Tokens of a prompt its samples can share in a row: its whole TILEs before the
     prompt's last token (that one predicts the first output token, so each sample keeps
     it)."""
-    return (prompt_length - 1) // KEY_BLOCK * KEY_BLOCK
+    return (prompt_length - 1) // TILE * TILE
 
 
 def _units(lengths: np.ndarray, groups, width: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -165,13 +167,13 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     of it (a mesh splitting rows). known: (R, M, B) shapes compiled before (a set, or a dict
     keyed by them), preferred (the cheapest that holds the parts) while within SHAPE_REUSE
     x the tightest cost. groups_per_part: per part, (prefix, member indices) of samples
-    sharing their first `prefix` tokens (a multiple of KEY_BLOCK), or None."""
+    sharing their first `prefix` tokens (a multiple of TILE), or None."""
     groups_per_part = groups_per_part or [()] * len(lengths_per_part)
     longest = max(int(l.max()) for l in lengths_per_part)
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
                          f"({token_budget} per micro-batch); raise token_budget to at least "
-                         f"{_round_up(longest, KEY_BLOCK)}")
+                         f"{_round_up(longest, TILE)}")
 
     def rows_at(width):
         rows = []
@@ -182,7 +184,7 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
         return rows
 
     best = None
-    base = _round_up(longest, KEY_BLOCK)  # sequences take multiples of it (aligned_length)
+    base = _round_up(longest, TILE)  # sequences take multiples of it (aligned_length)
     for width in sorted(_widths(lengths_per_part, groups_per_part, base,
                                 max(base, min(token_budget, MAX_ROW)))):
         rows = rows_at(width)
@@ -206,9 +208,9 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
 
 def aligned_length(n: int) -> int:
     """Columns a sequence of n tokens takes in a packed row: every sequence starts on a
-    multiple of KEY_BLOCK, so attention reduces its keys in the blocks the sampler used
-    (`kernels_pallas.blocked`) and the trainer reproduces the sampler's bits."""
-    return _round_up(n, KEY_BLOCK)
+    multiple of TILE, so a tile's gathered keys (`kv_blocks`) fall into the key blocks the
+    sampler reduced them in (`kernels_pallas.blocked`) and the trainer reproduces its bits."""
+    return _round_up(n, TILE)
 
 
 def _groups(sequences, prompt_lengths, part: np.ndarray):
@@ -237,7 +239,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     settings, not the lengths the policy happened to sample (a new length is no recompile).
     share_prefixes: samples of a part with the same `shared_prefix` lay it out once.
     """
-    cap = token_budget // KEY_BLOCK * KEY_BLOCK  # a reserve never makes a sample not fit
+    cap = token_budget // TILE * TILE  # a reserve never makes a sample not fit
     planned = [len(s) for s in sequences] if reserve is None else \
         [max(min(int(r), cap), len(s)) for r, s in zip(reserve, sequences)]
     lengths = np.array([aligned_length(n) for n in planned])
@@ -288,20 +290,21 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
         for part, part_rows in zip(parts, rows) for units in part_rows)
     out["scored"] = scored_columns(out["weights"], {k for k, _ in seen}, at_least=most)
     # a tile sees at most its sequence's blocks (prefix included): planned for the longest
-    need = max(int(lengths.max()) // KEY_BLOCK, max(map(len, tiles.values()), default=1))
+    need = max(int(lengths.max()) // TILE, max(map(len, tiles.values()), default=1))
+    need = _round_up(need, KEY_BLOCK // TILE)  # whole key blocks
     km = min([c for _, c in seen if c >= need] or [need])
-    out["kv_blocks"] = np.full((*shape[:3], width // KEY_BLOCK, km), -1, np.int32)
+    out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
 def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) -> list[int]:
-    """Records the key blocks of each tile of a sequence of n tokens at column `at` (a
-    block edge): `before` (its prefix's blocks), then its own up to the tile. Returns all
-    of its blocks."""
-    first = at // KEY_BLOCK
-    own = list(range(first, first + -(-n // KEY_BLOCK)))
+    """Records the TILEs of keys each tile of a sequence of n tokens at column `at` (a
+    tile edge) sees: `before` (its prefix's), then its own up to itself, in the sequence's
+    order. Returns all of its TILEs."""
+    first = at // TILE
+    own = list(range(first, first + -(-n // TILE)))
     for j, block in enumerate(own):
         tiles[(*row, block)] = before + own[:j + 1]
     return before + own
