@@ -155,6 +155,7 @@ def test_every_flag_takes_bools_only(bad):
     ([ROLLOUTS, "x"], [1.0], TypeError, "rollouts must be"),
     (ROLLOUTS, [1.0, NAN], ValueError, r"rewards must be finite, got rewards\[1\]"),
     (ROLLOUTS, [INF, 0.0], ValueError, r"rewards\[0\]"),
+    (ROLLOUTS, [0.0, 1e39], ValueError, r"rewards must fit float32 .*, got rewards\[1\] = 1e\+39"),
     (ROLLOUTS, [1.0], ValueError, r"rewards must be \[N=2\]"),
     (ROLLOUTS, ["a", "b"], TypeError, "rewards must be numbers"),
     (rollout_batch([sample([1, 2], [3, 4], logprobs=[-1.0, NAN])]), [1.0], ValueError,

@@ -143,7 +143,7 @@ def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | E
     samples = [s for b in per_batch for s in b]
     groups = np.array([(k << 32) + s.group for k, b in enumerate(per_batch) for s in b])
     try:
-        rewards = np.asarray(rewards, np.float32)
+        rewards = np.asarray(rewards, np.float64)  # checked before the float32 cast
     except (TypeError, ValueError):
         raise TypeError(f"rewards must be numbers [N={len(samples)}], got "
                         f"{type(rewards).__name__} {rewards!r:.80}") from None
@@ -155,6 +155,12 @@ def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | E
     if not np.isfinite(rewards).all():
         bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
         raise ValueError(f"rewards must be finite, got rewards[{bad}] = {rewards[bad]}")
+    too_big = np.abs(rewards) > np.finfo(np.float32).max
+    if too_big.any():
+        bad = int(np.flatnonzero(too_big)[0])
+        raise ValueError(f"rewards must fit float32 (|r| <= 3.4e38), got rewards[{bad}] = "
+                         f"{rewards[bad]:g}")
+    rewards = rewards.astype(np.float32)
     versions = [sample_token_versions(s, i) for i, s in enumerate(samples)]
     masks = [sample_loss_mask(s, i) for i, s in enumerate(samples)]
     behavior = []
