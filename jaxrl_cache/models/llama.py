@@ -199,16 +199,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
     if segments is None and invariant_kernels() is not None:
         # plain causal rows as one packed sequence each, so attention runs on the sampler's
-        # prefill kernel too: tile t sees blocks 0..t (the zero tail changes no earlier row)
-        padded = -(-length // KEY_BLOCK) * KEY_BLOCK
-        tiles = jnp.arange(padded // TILE, dtype=jnp.int32)
-        causal = jnp.where(tiles[None, :] <= tiles[:, None], tiles[None, :], -1)
-        x = hidden_states(params, config, jnp.pad(tokens, ((0, 0), (0, padded - length))),
-                          jnp.pad(positions, ((0, 0), (0, padded - length)), mode="edge"),
-                          jnp.ones((batch, padded), jnp.int32),
-                          kv_blocks=jnp.broadcast_to(causal, (batch, *causal.shape)),
-                          remat=remat)
-        return x[:, :length]
+        # prefill kernel too (their tile lists follow)
+        segments = jnp.ones((batch, length), jnp.int32)
     if segments is not None and kv_blocks is None:
         # every tile's visible TILEs listed from the rows themselves (rl.packing lists them
         # on the host): a sequence's keys are then reduced in its own key blocks, not the row's
