@@ -43,19 +43,22 @@ SCORE_KEYS = 64  # keys of a score dot are padded to a multiple of this (see blo
 
 
 def tree_sum(x, axis: int = -1):
-    """Sum over `axis` by a halving tree of elementwise adds (zero-padded to a power of two).
+    """Sum over `axis` by a halving tree of elementwise adds over the length padded with zeros
+    to a power of two: level by level, entry i + half is added to entry i.
 
     The order depends only on the padded length, and trailing zeros never change the
     result: a tree over 2n entries whose second half is 0 equals the tree over the first n.
+    The padding is never written: an entry whose partner is padding passes up unchanged.
     """
     x = jnp.moveaxis(x, axis, -1)
     n = x.shape[-1]
     width = next_power_of_2(max(n, 1))
-    if width != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
+    while width > 1:
+        half = width // 2
+        if n > half:  # entries [n - half, half) meet padding
+            x = jnp.concatenate([x[..., :n - half] + x[..., half:n], x[..., n - half:half]], -1)
+            n = half
+        width = half
     return x[..., 0]
 
 

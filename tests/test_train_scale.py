@@ -57,14 +57,14 @@ def _dense_all(params, tokens, temperature, top_p, top_k):
 
 
 def rollout(params, sp, *, groups=2, seed=0, prompt_len=(4, 9), output_len=(1, 12),
-            version=0):
-    """Random prompts, outputs drawn from the dense model, behavior log-probs exactly the
-    dense model's (on-policy)."""
+            version=0, system=()):
+    """Random prompts (each after the tokens `system`), outputs drawn from the dense model,
+    behavior log-probs exactly the dense model's (on-policy)."""
     rng = np.random.default_rng(seed)
     samples = []
     for g in range(groups):
-        prompt = tuple(int(t) for t in rng.integers(1, CONFIG.vocab_size,
-                                                    rng.integers(*prompt_len)))
+        prompt = tuple(system) + tuple(int(t) for t in rng.integers(1, CONFIG.vocab_size,
+                                                                    rng.integers(*prompt_len)))
         for _ in range(sp.n):
             out = _draw(params, prompt, sp, int(rng.integers(*output_len)), rng)
             logp = dense_log_probs(params, prompt + out, sp)[len(prompt) - 1:]
@@ -156,30 +156,44 @@ def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
     knobs, kind = sp.as_arrays(), filter_kind(sp.temperature, sp.top_p, sp.top_k,
                                               CONFIG.vocab_size)
 
-    def score(p, packed, gathered=True):  # gathered: attention on each tile's kv_blocks
+    def score(p, packed, gathered=True, distinct=False):
+        # gathered: attention on each tile's kv_blocks; distinct: the projections and MLPs
+        # on each row's distinct tokens (columns / sources)
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), packed)
         return token_log_probs(p, CONFIG, flat.tokens, flat.targets, knobs, kind=kind,
                                positions=flat.positions, segments=flat.segments,
                                parents=flat.parents,
                                kv_blocks=flat.kv_blocks if gathered else None,
+                               columns=flat.columns if distinct else None,
+                               sources=flat.sources if distinct else None,
                                chunk=8).reshape(packed.tokens.shape)
 
     for packed in (shared, alone):  # the recorded log-probs are the dense model's
         got = _per_sample(packed, score(params, packed))
         np.testing.assert_allclose(got, _per_sample(packed, packed.behavior), atol=2e-5)
     reference = _per_sample(alone, score(params, alone, gathered=False))
-    for packed, gathered in ((shared, True), (shared, False), (alone, True)):
-        np.testing.assert_array_equal(_per_sample(packed, score(params, packed, gathered)),
-                                      reference)
-    loss = lambda p, k, g: jnp.sum(score(p, k, g) * k.weights * k.advantages)  # noqa: E731
-    grads = [jax.grad(loss)(params, packed, gathered)
-             for packed, gathered in ((shared, True), (shared, False), (alone, False))]
-    for other in grads[:2]:
+    for packed, gathered, distinct in ((shared, True, False), (shared, False, False),
+                                       (alone, True, False), (shared, True, True),
+                                       (alone, True, True)):
+        np.testing.assert_array_equal(
+            _per_sample(packed, score(params, packed, gathered, distinct)), reference)
+    loss = lambda p, k, g, d: jnp.sum(score(p, k, g, d) * k.weights * k.advantages)  # noqa
+    grads = [jax.grad(loss)(params, packed, gathered, distinct)
+             for packed, gathered, distinct in ((shared, True, False), (shared, False, False),
+                                                (shared, True, True), (alone, False, False))]
+    for other in grads[:3]:
         for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(grads[2])):
             # fp32 sums in another order (the prefix's gradient is summed over its samples)
             scale = float(np.abs(np.asarray(b)).max())
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
                                        atol=1e-4 * scale)
+    # the prompt tokens each sample repeats in its first TILE are computed once
+    def distinct(packed):  # (distinct tokens, sequence columns) over the rows
+        live, sources = np.asarray(packed.segments) > 0, np.asarray(packed.sources)
+        return (sum(len(set(sources[r][live[r]].tolist())) for r in np.ndindex(live.shape[:3])),
+                int(live.sum()))
+
+    assert distinct(shared)[0] < distinct(shared)[1] and distinct(alone)[0] == distinct(alone)[1]
     # a tile lists its prefix's blocks, then its own up to itself, padded with -1
     blocks, segs = np.asarray(shared.kv_blocks)[0, 0], np.asarray(shared.segments)[0, 0]
     for b in range(blocks.shape[0]):
@@ -189,6 +203,56 @@ def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
             if segs[b, tile * 16]:
                 seen = {int(segs[b, c]) for t in listed for c in range(t * 16, t * 16 + 16)}
                 assert int(segs[b, tile * 16]) in seen
+
+
+def test_distinct_tokens_stand_for_every_column():
+    """columns / sources: each row's distinct tokens, each computed at a column holding it;
+    every sequence column reads a distinct token of the same token id and position whose
+    sequence shares everything before it, no distinct token is listed twice, and the
+    log-probs are the bits of the row layout (every column computing its own token)."""
+    rng, repeated = np.random.default_rng(5), 0
+    for seed in range(4):
+        params, sp = varied_params(seed), SETTINGS[seed % len(SETTINGS)]
+        # seeds 2, 3: every prompt starts with the same 18 tokens (a system prompt), so
+        # samples of different prompts share a prefix and part of their prompt rest
+        system = tuple(range(3, 21)) if seed >= 2 else ()
+        batch = make_batch(rollout(params, sp, groups=3, seed=seed, output_len=(1, 10),
+                                   prompt_len=(1, 4) if system else (14, 21), system=system),
+                           list(rng.standard_normal(12)))
+        packed = pack_batch(batch, TrainConfig(token_budget=int(rng.choice([128, 256, 4096]))))
+        knobs, kind = sp.as_arrays(), filter_kind(sp.temperature, sp.top_p, sp.top_k,
+                                                  CONFIG.vocab_size)
+        flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), packed)
+        score = lambda *distinct: np.asarray(token_log_probs(  # noqa: E731
+            params, CONFIG, flat.tokens, flat.targets, knobs, kind=kind,
+            positions=flat.positions, segments=flat.segments, parents=flat.parents,
+            kv_blocks=flat.kv_blocks, columns=distinct[0] if distinct else None,
+            sources=distinct[1] if distinct else None))
+        live = np.asarray(flat.segments) > 0  # padding columns read any distinct token
+        np.testing.assert_array_equal(score(flat.columns, flat.sources)[live], score()[live])
+        columns, sources = np.asarray(packed.columns), np.asarray(packed.sources)
+        tokens, positions = np.asarray(packed.tokens), np.asarray(packed.positions)
+        segments = np.asarray(packed.segments)
+        for row in np.ndindex(*tokens.shape[:3]):
+            live = segments[row] > 0
+            distinct = len(set(sources[row][live].tolist()))
+            listed = columns[row][:distinct]
+            assert len(set(listed.tolist())) == distinct and (segments[row][listed] > 0).all()
+            at = columns[row][sources[row]]  # the column each column reads
+            np.testing.assert_array_equal(tokens[row][at[live]], tokens[row][live])
+            np.testing.assert_array_equal(positions[row][at[live]], positions[row][live])
+            parents = np.asarray(packed.parents)
+
+            def history(c):  # the tokens column c's computation depends on, in order
+                seg, par = segments[row][c], parents[row][c]
+                before = np.flatnonzero(segments[row] == par) if par else np.array([], int)
+                own = np.flatnonzero(segments[row][:c + 1] == seg)
+                return tokens[row][np.concatenate([before, own])].tolist()
+
+            for c in np.flatnonzero(live & (at != np.arange(len(live)))):
+                assert history(c) == history(at[c]) and len(history(c)) == positions[row][c] + 1
+                repeated += 1
+    assert repeated > 0  # some prompt tokens were computed once for several samples
 
 
 def test_kv_blocks_need_packed_rows():

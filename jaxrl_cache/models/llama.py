@@ -173,7 +173,8 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=None,
-                  parents=None, kv_blocks=None, *, remat: str = "none"):
+                  parents=None, kv_blocks=None, columns=None, sources=None, *,
+                  remat: str = "none"):
     """Dense causal forward to the last block's output (before the final norm).
 
     tokens int32 [B, T] (T <= max_seq_len); positions int32 [B, T] (default 0..T-1);
@@ -187,8 +188,13 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     KM a multiple of KEY_BLOCK / TILE): the TILEs of keys each tile of TILE queries can see,
     in its sequence's order (its prefix's, then its own up to itself), padded with -1:
     attention then runs on those only (`gathered_attention`); without them, packed rows
-    list every visible TILE themselves (`_tile_lists`, O(T^2)), with the same bits. Returns
-    x [B, T, d_model] in the params' dtype. Under JAXRL_CACHE_KERNELS
+    list every visible TILE themselves (`_tile_lists`, O(T^2)), with the same bits.
+    columns int32 [B, N], sources int32 [B, T] (optional, with kv_blocks; `rl.packing`):
+    the projections, norms and MLPs run on each row's N distinct tokens only (the token at
+    column columns[b, n]), attention on the row layout (column t reads distinct token
+    sources[b, t]): a token's row of a matmul has the same bits in any row count, so the
+    result is the one the row layout gives, without computing a token a row repeats or pads.
+    Returns x [B, T, d_model] in the params' dtype. Under JAXRL_CACHE_KERNELS
     (`kernels_pallas.invariant_kernels`) attention runs on the sampler's prefill kernel.
     """
     batch, length = tokens.shape
@@ -217,6 +223,9 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
                              f"{TILE} (packed rows) and whole key blocks of {KEY_BLOCK // TILE} "
                              f"tiles, got length {length}, kv_blocks {kv_blocks.shape}")
         attend = _gathered_attend(config, segments, parents, kv_blocks)
+        if columns is not None:
+            return _distinct_forward(params, config, tokens, positions, attend, columns,
+                                     sources, remat)
     else:
         mask = jnp.tril(jnp.ones((length, length), bool))[None]  # [1, T, T]
         visible = jnp.repeat(mask, group, axis=1)[:, None]  # [1, 1, T * G, T]
@@ -232,6 +241,21 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     x = params["embed"][tokens]
     x, _ = _decoder(params, config, x, positions, attend, None, remat)
     return x
+
+
+def _distinct_forward(params, config, tokens, positions, attend, columns, sources, remat):
+    """hidden_states on each row's distinct tokens (columns [B, N]) with attention on the
+    row layout (sources [B, T]): x [B, T, d_model]."""
+    take = jax.vmap(lambda x, index: x[index])  # per row (a row-sharded batch keeps it local)
+
+    def attend_distinct(layer, q, k, v, kv_cache):  # q/k/v [B, N, H, D]
+        out, kv_cache = attend(layer, take(q, sources), take(k, sources), take(v, sources),
+                               kv_cache)
+        return take(out, columns), kv_cache
+
+    x = params["embed"][take(tokens, columns)]
+    x, _ = _decoder(params, config, x, take(positions, columns), attend_distinct, None, remat)
+    return take(x, sources)
 
 
 def _sees(segments, parents):

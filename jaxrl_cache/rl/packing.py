@@ -10,6 +10,10 @@ that prefix once, then each sample's rest from a tile edge, attending to the pre
 `parents` (a sample's keys stay in the blocks, and the order, the sampler reduced them in, so
 its log-probs keep their bits; the prefix's forward and backward run once, not once per
 sample). A group too long for a row is split into units of the prefix + some samples.
+Columns repeat tokens (a sample's prompt tokens after the shared prefix, which its unit's
+other samples also hold) and pad (to TILE edges, to the planned lengths): `columns` lists
+each row's distinct tokens, `sources` maps every column to one, and the model runs its
+projections and MLPs on those alone (`models.llama.hidden_states`).
 R is a multiple (1-4x, at most MAX_ROW unless one sequence needs more) of the longest
 sequence rounded up to TILE, or a group's prefix + its longest samples, whichever
 computes fewest tokens (attention runs on the keys a tile sees, `kv_blocks`, not on
@@ -63,10 +67,15 @@ class PackedBatch:
     kv_blocks: jax.Array  # int32 [U, M, B, R / TILE, KM]: the TILEs of keys each tile of
     # TILE columns attends to (its prefix's, then its own up to itself), -1 = none; KM is a
     # multiple of KEY_BLOCK / TILE (entry j = the sequence's j-th TILE: runs are key blocks)
+    columns: jax.Array  # int32 [U, M, B, N]: the row's distinct tokens (N <= R), each by
+    # the column it is computed at (padding: column 0)
+    sources: jax.Array  # int32 [U, M, B, R]: each column's index into `columns` (a prompt
+    # token its group repeats in each sample's first TILE is computed once; padding: 0)
 
     @property
     def computed_tokens(self) -> int:
-        return int(np.prod(self.tokens.shape))
+        """Token rows the projections and MLPs run on (U x M x B x N)."""
+        return int(np.prod(self.columns.shape))
 
 
 def _first_fit(lengths, capacity: int) -> list[list[int]]:
@@ -233,7 +242,8 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the
-    (K, KM) pairs (`scored_columns`, kv_blocks' last axis) compiled with it. reserve: per sample int [N], the tokens it could
+    (K, KM, N) triples (`scored_columns`, kv_blocks' last axis, columns' last axis) compiled
+    with it. reserve: per sample int [N], the tokens it could
     have taken (e.g. prompt + max_new_tokens; within the budget): rows and the scored
     width K are planned for those, so the shape follows the prompts and the sampling
     settings, not the lengths the policy happened to sample (a new length is no recompile).
@@ -251,13 +261,17 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                        else np.int32)
            for k in ("tokens", "positions", "segments", "parents", "targets", "weights",
                      "behavior", "versions", "advantages", "audited")}
+    out["sources"] = np.zeros(shape, np.int32)
     tiles: dict = {}  # (u, m, b, tile) -> key blocks it sees
+    distinct: dict = {}  # (u, m, b) -> the row's distinct tokens' columns
+    planned_distinct = 0  # the most distinct tokens a row takes at the planned lengths
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
         for r, units in enumerate(part_rows):
             row = (u, *divmod(r, per_micro))
-            at, segment = 0, 0
+            at, segment, columns, plan_n = 0, 0, [], 0
+            sources = out["sources"][row]
             for prefix, members in units:
-                parent, prefix_blocks = 0, []
+                parent, prefix_blocks, prompts = 0, [], []
                 if prefix:  # laid out once; its targets are never scored
                     segment += 1
                     seq = np.asarray(sequences[int(part[members[0]])])
@@ -265,6 +279,9 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     out["positions"][row][at:at + prefix] = np.arange(prefix)
                     out["segments"][row][at:at + prefix] = segment
                     out["targets"][row][at:at + prefix] = seq[1:prefix + 1]
+                    sources[at:at + prefix] = len(columns) + np.arange(prefix)
+                    columns.extend(range(at, at + prefix))
+                    plan_n += prefix
                     prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
                     parent, at = segment, at + prefix
                 for local in members:
@@ -281,21 +298,36 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     for key, value in (("weights", weights), ("behavior", behavior),
                                        ("versions", versions), ("audited", audited)):
                         out[key][row][at + p - 1:at + p - 1 + o] = value[i]
+                    shared, index = _shared_prompt(seq[:p], prompts)
+                    if shared:
+                        sources[at:at + shared] = index[:shared]
+                    sources[at + shared:at + n] = len(columns) + np.arange(n - shared)
+                    columns.extend(range(at + shared, at + n))
+                    prompts.append((seq[:p], sources[at:at + p].copy()))
+                    plan_n += planned[i] - prefix - shared
                     _tile_blocks(tiles, row, at, n, prefix_blocks)
                     at += aligned_length(n)
+            distinct[row] = columns
+            planned_distinct = max(planned_distinct, plan_n)
     seen = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
     most = 0 if reserve is None else max(  # the planned rows' output tokens
         sum(planned[i] - int(prompt_lengths[i]) for _, members in units
             for i in map(int, part[list(members)]))
         for part, part_rows in zip(parts, rows) for units in part_rows)
-    out["scored"] = scored_columns(out["weights"], {k for k, _ in seen}, at_least=most)
+    out["scored"] = scored_columns(out["weights"], {k for k, *_ in seen}, at_least=most)
     # a tile sees at most its sequence's blocks (prefix included): planned for the longest
     need = max(int(lengths.max()) // TILE, max(map(len, tiles.values()), default=1))
     need = _round_up(need, KEY_BLOCK // TILE)  # whole key blocks
-    km = min([c for _, c in seen if c >= need] or [need])
+    km = min([c for _, c, _ in seen if c >= need] or [need])
     out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
+    need = max(max(map(len, distinct.values())), planned_distinct if reserve is not None else 0)
+    n = min([c for *_, c in seen if c >= need]
+            or [min(width, _round_up(max(need, 1), ROW_ALIGN))])
+    out["columns"] = np.zeros((*shape[:3], n), np.int32)
+    for row, columns in distinct.items():
+        out["columns"][row][:len(columns)] = columns
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
@@ -308,6 +340,21 @@ def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) ->
     for j, block in enumerate(own):
         tiles[(*row, block)] = before + own[:j + 1]
     return before + own
+
+
+def _shared_prompt(prompt: np.ndarray, earlier: list) -> tuple[int, np.ndarray | None]:
+    """(shared, indices): how many leading tokens of a sample's prompt rest (`prompt`, int
+    [p]) an earlier sample of its unit laid out identically (the longest such run; same
+    tokens from the shared prefix on, so the same positions and computation), and that
+    sample's `sources` for them. earlier: (prompt rest, its sources) per earlier member."""
+    best, index = 0, None
+    for other, sources in earlier:
+        m = min(len(prompt), len(other))
+        differ = np.flatnonzero(prompt[:m] != other[:m])
+        common = int(differ[0]) if len(differ) else m
+        if common > best:
+            best, index = common, sources
+    return best, index
 
 
 def scored_columns(weights: np.ndarray, known=(), at_least: int = 0) -> np.ndarray:
