@@ -256,8 +256,8 @@ def test_distinct_tokens_stand_for_every_column():
 
 
 def test_kv_blocks_need_packed_rows():
-    """kv_blocks without segments, or on a row that is not whole key blocks: one clear
-    error, not a reshape failure inside the layer scan."""
+    """kv_blocks without segments, or on a row that is not whole key blocks, columns
+    without sources or kv_blocks: one clear error, not a failure inside the layer scan."""
     from jaxrl_cache.models.llama import hidden_states
     params, tokens = varied_params(0), jnp.ones((1, 32), jnp.int32)
     blocks = jnp.zeros((1, 2, 2), jnp.int32)
@@ -266,6 +266,11 @@ def test_kv_blocks_need_packed_rows():
     with pytest.raises(ValueError, match="multiple of 16"):
         hidden_states(params, CONFIG, tokens[:, :20], segments=tokens[:, :20],
                       kv_blocks=blocks)
+    with pytest.raises(ValueError, match="columns and sources go together"):
+        hidden_states(params, CONFIG, tokens, segments=tokens, columns=tokens[:, :8])
+    with pytest.raises(ValueError, match="columns and sources go together"):
+        hidden_states(params, CONFIG, tokens, segments=tokens, columns=tokens[:, :8],
+                      sources=jnp.zeros_like(tokens))
 
 
 def test_shared_prefix_plans():

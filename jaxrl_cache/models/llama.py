@@ -203,6 +203,9 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
+    if (columns is None) != (sources is None) or (columns is not None and kv_blocks is None):
+        raise ValueError("columns and sources go together, with kv_blocks (rl.packing lists "
+                         "all three)")
     if segments is None and invariant_kernels() is not None:
         # plain causal rows as one packed sequence each, so attention runs on the sampler's
         # prefill kernel too (their tile lists follow)
