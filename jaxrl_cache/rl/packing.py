@@ -16,7 +16,7 @@ each row's distinct tokens, `sources` maps every column to one, and the model ru
 projections and MLPs on those alone (`models.llama.hidden_states`).
 R is a multiple (1-4x, at most MAX_ROW unless one sequence needs more) of the longest
 sequence rounded up to TILE, or a group's prefix + its longest samples, whichever
-computes fewest tokens (attention runs on the keys a tile sees, `kv_blocks`, not on
+computes fewest distinct token rows (`_cost`) (attention runs on the keys a tile sees, `kv_blocks`, not on
 the row); B is as small as the rows need (`rows_bucket`); mini-batches are balanced by tokens
 (`balanced_parts`). So computed / real tokens stays near 1
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
@@ -136,10 +136,19 @@ def _widths(lengths_per_part, groups_per_part, base: int, cap: int) -> set[int]:
     return widths
 
 
-def _cost(parts: int, micro: int, per_micro: int, width: int) -> int:
-    """Computed tokens (attention runs on each tile's visible blocks, `kv_blocks`, so a
-    token's cost does not grow with its row)."""
-    return parts * micro * per_micro * width
+def _cost(rows, micro: int, per_micro: int, width: int, lengths_per_part,
+          repeats_per_part) -> int:
+    """Token rows the projections and MLPs run on: parts x M x B x the planned distinct
+    tokens of the fullest row (a row's columns less the prompt tokens its samples repeat,
+    `repeats_per_part`; rounded like `PackedBatch.columns`). Attention runs on each tile's
+    visible blocks (`kv_blocks`), so a token's cost does not grow with its row."""
+    most = 0
+    for part_rows, lengths, repeats in zip(rows, lengths_per_part, repeats_per_part):
+        for units in part_rows:
+            most = max(most, sum(unit_length(u, lengths)
+                                 - (sum(int(repeats[i]) for i in u[1][1:]) if u[0] else 0)
+                                 for u in units))
+    return len(rows) * micro * per_micro * min(width, _round_up(max(most, 1), ROW_ALIGN))
 
 
 def _round_up(n: int, k: int) -> int:
@@ -168,7 +177,7 @@ def balanced_parts(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: int = 1,
-         known=(), groups_per_part=None):
+         known=(), groups_per_part=None, repeats_per_part=None):
     """(R, M, B, rows per part) for parts of sequence lengths under `token_budget`; a row is
     a list of units (prefix, member indices) (`_units`).
 
@@ -176,8 +185,13 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
     of it (a mesh splitting rows). known: (R, M, B) shapes compiled before (a set, or a dict
     keyed by them), preferred (the cheapest that holds the parts) while within SHAPE_REUSE
     x the tightest cost. groups_per_part: per part, (prefix, member indices) of samples
-    sharing their first `prefix` tokens (a multiple of TILE), or None."""
+    sharing their first `prefix` tokens (a multiple of TILE), or None. repeats_per_part: per
+    part, int [N]: how many of a grouped sample's prompt tokens after the prefix are its
+    group's first sample's (computed once in a unit, `_shared_prompt`), or None (0)."""
     groups_per_part = groups_per_part or [()] * len(lengths_per_part)
+    repeats_per_part = repeats_per_part or [np.zeros(len(l), int) for l in lengths_per_part]
+    cost_of = lambda rows, micro, per_micro, width: _cost(  # noqa: E731
+        rows, micro, per_micro, width, lengths_per_part, repeats_per_part)
     longest = max(int(l.max()) for l in lengths_per_part)
     if longest > token_budget:
         raise ValueError(f"a sample of {longest} tokens exceeds the token budget "
@@ -201,15 +215,17 @@ def plan(lengths_per_part: list[np.ndarray], token_budget: int, row_multiple: in
         per_micro = max(row_multiple, token_budget // width // row_multiple * row_multiple)
         micro = -(-most // per_micro)
         per_micro = _round_up(rows_bucket(-(-most // micro)), row_multiple)
-        cost = _cost(len(rows), micro, per_micro, width)
+        cost = cost_of(rows, micro, per_micro, width)
         if best is None or cost < best[0]:
             best = (cost, width, micro, per_micro, rows)
     reuse = None
     for width, micro, per_micro in known:
-        cost = _cost(len(lengths_per_part), micro, per_micro, width)
-        if width < longest or cost > SHAPE_REUSE * best[0] or (reuse and cost >= reuse[0]):
+        if width < longest:
             continue
         rows = rows_at(width)
+        cost = cost_of(rows, micro, per_micro, width)
+        if cost > SHAPE_REUSE * best[0] or (reuse and cost >= reuse[0]):
+            continue
         if max(len(r) for r in rows) <= micro * per_micro:
             reuse = (cost, width, micro, per_micro, rows)
     return (reuse or best)[1:]
@@ -233,6 +249,19 @@ def _groups(sequences, prompt_lengths, part: np.ndarray):
     return [(prefix, members) for (prefix, _), members in by_prefix.items() if len(members) > 1]
 
 
+def _repeats(sequences, prompt_lengths, part: np.ndarray, groups) -> np.ndarray:
+    """int [len(part)]: per grouped sample, how many of its prompt tokens after the prefix
+    its group's first sample also has there (`plan`'s estimate of `_shared_prompt`)."""
+    out = np.zeros(len(part), int)
+    rest = lambda local, prefix: np.asarray(  # noqa: E731
+        sequences[int(part[local])])[prefix:int(prompt_lengths[int(part[local])])]
+    for prefix, members in groups:
+        first = rest(members[0], prefix)
+        for local in members[1:]:
+            out[local] = _shared_prompt(rest(local, prefix), [(first, None)])[0]
+    return out
+
+
 def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, audited, *,
          parts: list[np.ndarray], token_budget: int, row_multiple: int = 1,
          known=(), reserve=None, share_prefixes: bool = True) -> PackedBatch:
@@ -254,8 +283,9 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
         [max(min(int(r), cap), len(s)) for r, s in zip(reserve, sequences)]
     lengths = np.array([aligned_length(n) for n in planned])
     groups = [_groups(sequences, prompt_lengths, p) if share_prefixes else () for p in parts]
+    repeats = [_repeats(sequences, prompt_lengths, p, g) for p, g in zip(parts, groups)]
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
-                                         row_multiple, known, groups)
+                                         row_multiple, known, groups, repeats)
     shape = (len(parts), micro, per_micro, width)
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)
