@@ -175,6 +175,30 @@ def test_every_token_reproduces_bit_for_bit(params0, page_size, slots, chunk, pr
     assert int(metrics["audit_checked_tokens"]) > 0
 
 
+def test_decode_chunks_read_only_the_key_blocks_they_reach(params0, monkeypatch):
+    """A long generation's early decode chunks get a page table cut to the key blocks their
+    rows reach (`runner.reach_width`), later ones the whole width: every recorded log-prob
+    still has the trainer's bits."""
+    from jaxrl_cache.rollout import runner
+    widths = []
+    pack = runner.pack_decode
+    monkeypatch.setattr(runner, "pack_decode",
+                        lambda slots, width, shared=0: widths.append(width) or pack(
+                            slots, width, shared))
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=256, page_size=4),
+                           scheduler_config=SchedulerConfig(max_num_seqs=8, chunk_steps=8))
+    sampling = SamplingParams(n=2, max_new_tokens=100, temperature=1.0)
+    batch = engine.rollout(params0, 0, [SYSTEM[:21], SYSTEM[3:30]], sampling,
+                           rng=jax.random.key(11))
+    assert max(len(s.output_ids) for s in batch.samples) == 100
+    # 16 pages of 4 per key block, a table of 32 pages (126 positions): the first chunks
+    # read one key block, the later ones the whole table; the 27-token prompt's rows cross
+    # position 64 inside a chunk (58..65), so a width cut to where a chunk starts breaks bits
+    assert widths[0] == 16 and widths[-1] == 32 and widths == sorted(widths), widths
+    report = audit_attribution(batch, {0: params0}, CONFIG)
+    assert report.ok and report.max_abs_diff == 0.0, report
+
+
 @pytest.mark.parametrize("remat", ["full", "dots", "none"])
 def test_every_remat_policy_reproduces_the_sampler(params0, remat):
     """The remat policy ("auto" picks "dots" for big micro-batches) changes what the backward

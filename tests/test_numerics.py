@@ -132,6 +132,77 @@ def test_blocked_attention_gradients_are_attention_gradients():
     assert half.dtype == jnp.bfloat16
 
 
+def _score_forms_agree(head_dim: int) -> bool:
+    """Whether the [D, L] score dot gives the [L, D] form's bits at the decode (4 rows),
+    training-tile (48 rows) and probe shapes."""
+    from kernels_pallas.blocked import _score_dot
+    rng = np.random.default_rng(3)
+    laid = jax.jit(lambda q, k: _score_dot(q, k, transposed=True))
+    plain = jax.jit(lambda q, k: _score_dot(q, k, transposed=False))
+    for lead, m, n in (((8, 3), 4, 192), ((2, 3, 5), 48, 192), ((2,), 4, 64)):
+        q = jnp.asarray(rng.standard_normal((*lead, m, head_dim)), jnp.float32)
+        keys = jnp.asarray(rng.standard_normal((*lead, n, head_dim)), jnp.float32)
+        if not np.array_equal(np.asarray(laid(q, keys)), np.asarray(plain(q, keys))):
+            return False
+    return True
+
+
+def test_scores_read_keys_laid_out_d_by_l_only_where_that_keeps_the_bits():
+    """`_score_dot` takes the [D, L] key layout (2-3x faster on XLA:CPU at decode) only where
+    the probe found it gives the [L, D] form's bits, so the score bits never depend on the
+    choice; the barrier really keeps the layout (XLA folds a bare transpose into the dot).
+    The probe's answer depends on the compiler: this suite compiles at
+    xla_backend_optimization_level 0, where the forms differ at every head size, so the
+    production setting is checked in a subprocess below."""
+    from kernels_pallas.blocked import _score_dot, keys_transposed
+    for d in (16, 64, 128):
+        if keys_transposed(d):
+            assert _score_forms_agree(d)
+    q, keys = jnp.zeros((2, 4, 64)), jnp.zeros((2, 64, 64))
+    hlo = jax.jit(lambda q, k: _score_dot(q, k, transposed=True)).lower(q, keys).as_text()
+    assert "optimization_barrier" in hlo
+
+
+PRODUCTION_SCORES = """
+import dataclasses, jax, numpy as np
+from tests.test_numerics import _score_forms_agree
+from kernels_pallas.blocked import keys_transposed
+from jaxrl_cache.app.demo import builtin_model_config
+from jaxrl_cache.models import init_params
+from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
+from jaxrl_cache.rollout.types import SchedulerConfig
+assert [keys_transposed(d) for d in (16, 32, 48, 64, 80, 96, 128)] == [True] * 4 + [False] * 3
+assert _score_forms_agree(64)
+config = builtin_model_config(vocab_size=40)
+params = init_params(config, jax.random.key(0))
+engine = RolloutEngine(config, CacheConfig(num_pages=128, page_size=4),
+                       scheduler_config=SchedulerConfig(max_num_seqs=8, chunk_steps=8))
+prompts = [list(range(3, 23)), list(range(7, 30))]
+batch = engine.rollout(params, 0, prompts, SamplingParams(n=2, max_new_tokens=60),
+                       rng=jax.random.key(1))
+report = audit_attribution(batch, {0: params}, config)
+assert report.ok and report.max_abs_diff == 0.0, report
+print("ok")
+"""
+
+
+def test_scores_read_keys_laid_out_d_by_l_at_the_default_optimisation_level():
+    """The setting users run (XLA's default optimisation): the [D, L] form gives the [L, D]
+    form's bits up to head_dim 64 and is taken there, not at 80-128; an engine sampling
+    through it over two key blocks reproduces every log-prob bit for bit."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_backend_optimization_level=0", "").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", PRODUCTION_SCORES], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_every_head_size_keeps_the_order_with_p_at_v_at_its_measured_width():
     """The probe behind rl.audit.tolerance_for. XLA:CPU's p @ v dot [M, 16] x [16, D] gives
     a row other bits at few rows than among many at D = 32, 48, 80 and 96 (the fact), so

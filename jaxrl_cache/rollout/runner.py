@@ -21,6 +21,7 @@ from jaxrl_cache.rollout.scheduler import Row, Unit
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig
 from jaxrl_cache.shapes import page_width_floor
 from kernels_pallas import next_power_of_2
+from kernels_pallas.blocked import KEY_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +115,27 @@ def shared_prefix(slots: list, page_size: int) -> int:
     return int(np.cumprod((tables == tables[0]).all(axis=0)).sum())
 
 
+def reach_width(slots: list, width: int, page_size: int, steps: int) -> int:
+    """Page-table width a decode chunk of `steps` steps needs (the `xla` backend scores every
+    key of the width it is given): the pages up to the furthest position a decoding row
+    writes in the chunk, in whole key blocks, rounded up to a power of two of them (few
+    shapes), at most the run's `width`. Keys past a row's end add exact zeros in the
+    canonical order (`kernels_pallas.blocked`), so cutting them changes no bit; early in a
+    long generation a chunk reads a fraction of the table."""
+    live = [row for row in slots if row is not None and not row.resume]
+    if not live:
+        return width
+    reach = max(_next_position(row) for row in live) + steps  # positions < reach
+    per_block = max(1, KEY_BLOCK // page_size)
+    blocks = -(-scheduler.pages_for(reach, page_size) // per_block)
+    return min(width, per_block * next_power_of_2(blocks))
+
+
 def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
-    """slots: Row or None per decode slot; width: the run's table width. shared: leading
-    pages common to every decoding row (<= `shared_prefix`), sent once as shared_pages and
-    cut from page_table (then [B, width - shared])."""
+    """slots: Row or None per decode slot; width: the chunk's table width (a row's pages
+    beyond it are cut: `reach_width`). shared: leading pages common to every decoding row
+    (<= `shared_prefix`), sent once as shared_pages and cut from page_table (then
+    [B, width - shared])."""
     b = len(slots)
     fresh = np.zeros(b, bool)
     last = np.zeros(b, np.int32)
@@ -134,7 +152,8 @@ def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
         fresh[i] = row.fresh
         last[i] = row.tokens[-1] if n else 0
         pos[i] = _next_position(row)
-        table[i, :row.pages.size - shared] = row.pages[shared:]
+        pages = row.pages[shared:width]
+        table[i, :pages.size] = pages
         shared_pages = row.pages[:shared]  # the same in every decoding row
         budget[i] = row.max_new - n
         index[i] = row.index
@@ -274,11 +293,13 @@ class Runner:
         width = slot_bucket(run.slots)
         slots = run.slots[:width] + [None] * (width - len(run.slots))
         shared = 0  # the kernels read shared pages through every row's table anyway
+        table = run.width  # the kernels loop over each row's own blocks only
         if self.backend == "xla":
+            table = reach_width(slots, run.width, run.ps, cfg.chunk_steps)
             # at least one column stays per row (a row may only read shared pages)
-            shared = self._shared_width(width, run.width, page_width_floor(
-                min(shared_prefix(slots, run.ps), run.width - 1)))
-        arrays = pack_decode(slots, run.width, shared)
+            shared = self._shared_width(width, table, page_width_floor(
+                min(shared_prefix(slots, run.ps), table - 1)))
+        arrays = pack_decode(slots, table, shared)
         refill_at = cfg.max_num_seqs + 1
         if run.waiting:
             refill_at = max(1, min(len(run.waiting), cfg.max_num_seqs // 4))
