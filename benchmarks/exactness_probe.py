@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxrl_cache.models import ModelConfig, init_params
 from jaxrl_cache.models.llama import (_qkv, decode_forward, forward, init_kv_cache,
-                                      prefill_forward, rms_norm, rotary)
+                                      prefill_forward, rms_norm, rotary,
+                                      rotary_tables)
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rollout import SamplingParams
 from jaxrl_cache.rollout.sampling import log_normaliser, sample_tokens
@@ -97,7 +98,9 @@ def _layer0_kv(params, tokens, *, config):
     """tokens int32 [N] -> layer 0's (k, v) [N, Hkv, D] over the whole row in one program."""
     layer = jax.tree.map(lambda a: a[0], params["layers"])
     h = rms_norm(params["embed"][tokens][None], layer["attn_norm"], config.norm_eps)
-    _, k, v = _qkv(layer, config, h, jnp.arange(tokens.shape[0], dtype=jnp.int32)[None], None)
+    tables = rotary_tables(jnp.arange(tokens.shape[0], dtype=jnp.int32)[None],
+                           jnp.asarray(config.inv_freq()))
+    _, k, v = _qkv(layer, config, h, tables, None)
     return k[0], v[0]
 
 
@@ -177,7 +180,8 @@ def op_rows(config: ModelConfig) -> list[dict]:
     logits = jnp.asarray(4 * rng.standard_normal((big, config.vocab_size)), jnp.float32)
     ops = dict(
         rms_norm=(jax.jit(lambda a: rms_norm(a, w, config.norm_eps)), (x,)),
-        rotary=(jax.jit(lambda a, p: rotary(a, p, inv_freq)), (heads, positions)),
+        rotary=(jax.jit(lambda a, p: rotary(a, rotary_tables(p, inv_freq))),
+                (heads, positions)),
         log_normaliser=(jax.jit(log_normaliser), (logits,)))
     out = []
     for name, (fn, args) in ops.items():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
-from jaxrl_cache.models.llama import ModelConfig, _mlp, _qkv, init_params, rms_norm, lm_logits
+from jaxrl_cache.models.llama import (ModelConfig, _mlp, _qkv, init_params, lm_logits,
+                                      rms_norm, rotary_tables)
 from jaxrl_cache.rollout.sampling import SamplingParams, sample_tokens
 from jaxrl_cache.rl.batch import make_batch
 from jaxrl_cache.rl.train import TrainState, train_step
@@ -67,7 +68,9 @@ def _dense_decode_loop(config, steps):
             for i, (k_all, v_all) in enumerate(cache):
                 layer = {name: w[i] for name, w in params["layers"].items()}
                 h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-                q, k, v = _qkv(layer, config, h, pos[:, None])
+                q, k, v = _qkv(layer, config, h,
+                               rotary_tables(pos[:, None], jnp.asarray(config.inv_freq())),
+                               None)
                 rows = jnp.arange(tokens.shape[0])
                 k_all = k_all.at[rows, pos].set(k[:, 0])
                 v_all = v_all.at[rows, pos].set(v[:, 0])

@@ -122,13 +122,14 @@ def profile_ours(n: int, length: int, remats: list[str]) -> dict:
     def logp(p, mb, remat="none"):
         return token_log_probs(p, config, mb.tokens, mb.targets, knobs, kind=kind,
                                positions=mb.positions, segments=mb.segments,
-                               parents=mb.parents, kv_blocks=mb.kv_blocks,
+                               parents=mb.parents, kv_blocks=mb.kv_blocks, items=mb.items,
                                columns=mb.columns, sources=mb.sources, remat=remat)
 
     programs = {"decoder forward": lambda p, mb: hidden_states(p, config, mb.tokens,
                                                                mb.positions, mb.segments,
                                                                mb.parents, mb.kv_blocks,
-                                                               mb.columns, mb.sources),
+                                                               mb.items, mb.columns,
+                                                               mb.sources),
                 "forward + log-probs": logp}
     for remat in remats:
         programs[f"grad remat={remat}"] = jax.grad(

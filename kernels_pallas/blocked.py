@@ -17,7 +17,8 @@ batched, paged or packed:
 Packed training rows are laid out in TILEs: a sequence starts on a multiple of TILE (not
 of KEY_BLOCK, which would pad every sequence by up to 63 columns), and the trainer gathers
 each query tile's keys TILE by TILE in its sequence's order (`gathered_attention`), so a
-run of KEY_BLOCK // TILE gathered tiles is exactly one of the sequence's key blocks.
+run of KEY_BLOCK // TILE gathered tiles is exactly one of the sequence's key blocks; only
+the (tile, key block) pairs that hold keys are computed, an absent block chained as zeros.
 
 The dots rely on one property of the XLA:CPU dot, checked by tests/test_numerics.py: an
 element of a batched [M, K] x [K, N] dot with these K and N does not depend on M (M > 1)
@@ -273,24 +274,98 @@ def _sum_to(grad, x):
 blocked_attention.defvjp(_attention_forward, _attention_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def gathered_attention(q, k, v, blocks, visible, scale: float):
-    """`blocked_attention` over only the keys each query tile can see: the same bits (a key
-    block no query of the tile sees adds exact zeros there, so leaving it out changes
-    nothing), with work proportional to the visible keys, not to the row.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def gathered_attention(q, k, v, blocks, visible, items, scale: float):
+    """`blocked_attention` over only the key blocks each query tile can see: the same bits
+    (a key block no query of the tile sees adds exact zeros there, so leaving it out changes
+    nothing), with work proportional to the visible key blocks, not to the row or to the
+    longest tile's list.
 
     q [..., NQ, M, D] (queries in NQ tiles of M rows); k, v [..., L, D] (L a multiple of
     TILE); blocks int32 [..., NQ, KM] (KM a multiple of KEY_BLOCK // TILE): the TILEs of
     keys each query tile attends to, in its sequence's order, entry j holding the sequence's
     positions TILE * j ... TILE * j + TILE - 1 (so each run of KEY_BLOCK // TILE entries is
     one of its key blocks), padded with any index (those tiles must be invisible); visible
-    bool [..., NQ, M, KM * TILE] over the gathered keys. Returns f32 [..., NQ, M, D].
-    The backward pass is dense attention's over the gathered keys (as `blocked_attention`).
+    bool [..., NQ, M, KM * TILE] over the gathered keys; items int32 [..., W]: the (tile,
+    key block) pairs computed, as tile * KM / (KEY_BLOCK // TILE) + block, each at most
+    once, -1 = none (`all_items`: every pair; rl.packing lists those with a visible key).
+    Leading dims broadcast. Returns f32 [..., NQ, M, D]. Each pair is one [M, D] x
+    [D, KEY_BLOCK] and one [M, KEY_BLOCK] x [KEY_BLOCK, D] dot, as in `blocked_attention`;
+    a tile's blocks are chained in order, absent ones as exact zeros. The backward pass is
+    dense attention's over the same pairs.
     """
-    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)  # [..., NQ, NB, KB, D]
-    vis = visible.reshape(*visible.shape[:-1], -1, KEY_BLOCK)
-    p, l_blocks = softmax_blocks(block_scores(q, kg, scale), jnp.moveaxis(vis, -2, -3))
-    return combine_blocks(block_values(p, vg), l_blocks)
+    return _gathered_forward(q, k, v, blocks, visible, items, scale)[0]
+
+
+def all_items(blocks):
+    """blocks int32 [..., NQ, KM] -> int32 [1, ..., 1, NQ * KM / (KEY_BLOCK // TILE)]: every (tile,
+    key block) pair (`gathered_attention` then computes what the padded lists hold)."""
+    nq, km = blocks.shape[-2:]
+    pairs = jnp.arange(nq * (km // (KEY_BLOCK // TILE)), dtype=jnp.int32)
+    return pairs.reshape((1,) * (blocks.ndim - 2) + pairs.shape)
+
+
+def _take(x, index, extra: int):
+    """x [*A, N, *E] (len(E) = extra), index int [*B, W] (A, B broadcastable) ->
+    [*broadcast(A, B), W, *E]: entries index of the N axis (clipped)."""
+    lead = jnp.broadcast_shapes(x.shape[:x.ndim - 1 - extra], index.shape[:-1])
+    x = jnp.broadcast_to(x, lead + x.shape[x.ndim - 1 - extra:])
+    index = jnp.broadcast_to(index, lead + index.shape[-1:])
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * extra),
+                               axis=len(lead), mode="clip")
+
+
+def _pairs(q, k, blocks, visible, items):
+    """The computed pairs' operands: (tile [..., W], key TILEs [..., W, KEY_BLOCK / TILE],
+    q [..., W, M, D], visible [..., W, M, KEY_BLOCK], slot [..., NQ, NB] (each tile's
+    pair per key block, W = none))."""
+    per = KEY_BLOCK // TILE
+    nq, km = blocks.shape[-2:]
+    nb = km // per
+    if km % per:
+        raise ValueError(f"a tile's key list must be a multiple of {per} entries (whole key "
+                         f"blocks), got {km}")
+    pair = jnp.maximum(items, 0)
+    tile = pair // nb
+    key_tiles = _take(blocks.reshape(*blocks.shape[:-2], nq * nb, per), pair, 1)
+    vis = visible.reshape(*visible.shape[:-2], visible.shape[-2], nb, KEY_BLOCK)
+    vis = jnp.swapaxes(vis, -3, -2).reshape(*visible.shape[:-3], nq * nb, -1, KEY_BLOCK)
+    vis = _take(vis, pair, 2) & (items >= 0)[..., None, None]
+    width = items.shape[-1]
+    flat_lead = items.shape[:-1]
+    slot = jax.vmap(lambda i: jnp.full((nq * nb,), width, jnp.int32).at[i].set(
+        jnp.arange(width, dtype=jnp.int32), mode="drop"))(
+            jnp.where(items >= 0, items, nq * nb).reshape(-1, width))
+    slot = slot.reshape(*flat_lead, nq, nb)
+    return tile, key_tiles, _take(q, tile, 2), vis, slot
+
+
+def _per_tile(x, slot, fill):
+    """x [..., W, *E] per pair, slot [..., NQ, NB] -> [..., NQ, NB, *E] (fill where none)."""
+    extra = x.ndim - slot.ndim + 1
+    pad = jnp.full((*x.shape[:slot.ndim - 2], 1, *x.shape[slot.ndim - 1:]), fill, x.dtype)
+    x = jnp.concatenate([x, pad], axis=slot.ndim - 2)
+    got = _take(x, slot.reshape(*slot.shape[:-2], -1), extra)
+    return got.reshape(*got.shape[:slot.ndim - 2], *slot.shape[-2:], *x.shape[slot.ndim - 1:])
+
+
+def _gathered_forward(q, k, v, blocks, visible, items, scale):
+    tile, key_tiles, qp, vis, slot = _pairs(q, k, blocks, visible, items)
+    kp, vp = _gather_tiles(k, key_tiles), _gather_tiles(v, key_tiles)  # [..., W, KB, D]
+    s = jnp.where(vis, block_scores(qp, kp[..., None, :, :], scale)[..., 0, :, :], -jnp.inf)
+    top = jax.lax.stop_gradient(_per_tile(s.max(-1), slot, -jnp.inf).max(-2))  # [..., NQ, M]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(vis, jnp.exp(s - _take(top, tile, 1)[..., None]), 0.0)  # [..., W, M, KB]
+    o = block_values(p[..., None, :, :], vp[..., None, :, :])[..., 0, :, :]
+    o_blocks, l_blocks = _per_tile(o, slot, 0.0), _per_tile(tree_sum(p, -1), slot, 0.0)
+    out = combine_blocks(o_blocks, l_blocks)  # [..., NQ, M, D]
+    return out, (q, k, v, blocks, visible, items, out)
+
+
+def _gather_tiles(x, key_tiles):
+    """x [..., L, D], key_tiles int32 [..., W, KEY_BLOCK / TILE] -> [..., W, KEY_BLOCK, D]."""
+    picked = _take(_tiles(x), key_tiles.reshape(*key_tiles.shape[:-2], -1), 2)
+    return picked.reshape(*picked.shape[:-3], key_tiles.shape[-2], KEY_BLOCK, x.shape[-1])
 
 
 def _tiles(x):
@@ -302,43 +377,40 @@ def _tiles(x):
     return x.reshape(*x.shape[:-2], length // TILE, TILE, x.shape[-1])
 
 
-def _gather_blocks(x, blocks):
-    """x [..., L, D], blocks int32 [..., NQ, KM] -> [..., NQ, KM * TILE / KEY_BLOCK,
-    KEY_BLOCK, D]: each tile's listed TILEs, grouped into key blocks."""
-    per = KEY_BLOCK // TILE
-    if blocks.shape[-1] % per:
-        raise ValueError(f"a tile's key list must be a multiple of {per} entries (whole key "
-                         f"blocks), got {blocks.shape[-1]}")
-    flat = blocks.reshape(*blocks.shape[:-2], -1)  # [..., NQ * KM]
-    picked = jnp.take_along_axis(_tiles(x), flat[..., None, None], axis=-3, mode="clip")
-    return picked.reshape(*blocks.shape[:-1], -1, KEY_BLOCK, x.shape[-1])
-
-
-def _gathered_forward(q, k, v, blocks, visible, scale):
-    out = gathered_attention(q, k, v, blocks, visible, scale)
-    return out, (q, k, v, blocks, visible, out)
-
-
 def gathered_attention_backward(scale, residuals, d_out):
-    """Dense attention's backward on each tile's gathered keys; key cotangents are summed
-    back into their TILEs (one several query tiles see gets all their shares)."""
-    q, k, v, blocks, visible, out = residuals
-    kg, vg = _gather_blocks(k, blocks), _gather_blocks(v, blocks)
-    kg = kg.reshape(*kg.shape[:-3], -1, kg.shape[-1])  # [..., NQ, KM * TILE, D]
-    vg = vg.reshape(*vg.shape[:-3], -1, vg.shape[-1])
-    dq, dkg, dvg, _ = _attention_backward(scale, (q, kg, vg, visible, out), d_out)
+    """Dense attention's backward over the computed pairs (dS = P * (dP - rowsum(dO * O)));
+    query cotangents summed per tile, key cotangents summed back into their TILEs (one
+    several tiles see gets all their shares)."""
+    q, k, v, blocks, visible, items, out = residuals
+    tile, key_tiles, qp, vis, slot = _pairs(q, k, blocks, visible, items)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    kp, vp = f32(_gather_tiles(k, key_tiles)), f32(_gather_tiles(v, key_tiles))
+    s = jnp.where(vis, jnp.einsum("...md,...kd->...mk", f32(qp), kp) * scale, -jnp.inf)
+    top = _per_tile(s.max(-1), slot, -jnp.inf).max(-2)  # [..., NQ, M]
+    p = jnp.where(vis, jnp.exp(s - _take(jnp.where(jnp.isfinite(top), top, 0.0), tile,
+                                          1)[..., None]), 0.0)
+    denom = _per_tile(p.sum(-1), slot, 0.0).sum(-2)  # [..., NQ, M]
+    p = p * _take(1.0 / jnp.where(denom > 0, denom, 1.0), tile, 1)[..., None]
+    d_out = f32(d_out)
+    delta = (d_out * out).sum(-1)  # [..., NQ, M]
+    d_pair = _take(d_out, tile, 2)  # [..., W, M, D]
+    dv = jnp.einsum("...mk,...md->...kd", p, d_pair)
+    dp = jnp.einsum("...md,...kd->...mk", d_pair, vp)
+    ds = p * (dp - _take(delta, tile, 1)[..., None]) * scale
+    dq = _per_tile(jnp.einsum("...mk,...kd->...md", ds, kp), slot, 0.0).sum(-3)
+    dk = jnp.einsum("...mk,...md->...kd", ds, f32(qp))
 
-    def scatter(x, dg):  # dg [..., NQ, KM * TILE, D] -> [..., L, D]
+    def scatter(x, dg):  # dg [..., W, KB, D] -> [..., L, D]
         xt = _tiles(x)
         lead, (nt, d) = xt.shape[:-3], (xt.shape[-3], xt.shape[-1])
-        dg = dg.reshape(*lead, -1, TILE, d).astype(jnp.float32)  # [..., NQ * KM, TILE, D]
-        idx = blocks.reshape(*lead, -1)  # blocks share x's leading dims
+        dg = jnp.broadcast_to(dg, (*lead, *dg.shape[-3:])).reshape(*lead, -1, TILE, d)
+        idx = jnp.broadcast_to(key_tiles, (*lead, *key_tiles.shape[-2:])).reshape(*lead, -1)
         flat_lead = int(np.prod(lead, dtype=np.int64))
         total = jax.vmap(lambda i, g: jnp.zeros((nt, TILE, d), jnp.float32).at[i].add(g))(
             idx.reshape(flat_lead, -1), dg.reshape(flat_lead, -1, TILE, d))
         return total.reshape(*lead, nt * TILE, d).astype(x.dtype)
 
-    return dq, scatter(k, dkg), scatter(v, dvg), None, None
+    return (_sum_to(dq, q), scatter(k, dk), scatter(v, dv), None, None, None)
 
 
 gathered_attention.defvjp(_gathered_forward, gathered_attention_backward)

@@ -281,8 +281,8 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                            interpret=backend == "interpret", exact=exact)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def gathered_prefill_attention(q, k, v, blocks, visible, scale: float, backend: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def gathered_prefill_attention(q, k, v, blocks, visible, items, scale: float, backend: str):
     """`blocked.gathered_attention` computed by the paged prefill kernel: the trainer's
     attention on the sampler's own program (on a GPU, where XLA's dots change their bits
     with the row count, the only way its bits can be the sampler's).
@@ -293,7 +293,8 @@ def gathered_prefill_attention(q, k, v, blocks, visible, scale: float, backend: 
     list every TILE they see in their sequence's order, their own last (`rl.packing` builds
     them so). Shapes as `gathered_attention`: q [B, Hkv, NQ, TILE * G, D]; k, v
     [B, Hkv, L, D] (L a multiple of TILE); blocks int32 [B, Hkv, NQ, KM] (the same for every
-    head); visible bool [B, 1, NQ, TILE * G, KM * TILE] (counts the TILEs a tile sees).
+    head); visible bool [B, 1, NQ, TILE * G, KM * TILE] (counts the TILEs a tile sees);
+    items int32 [B, 1, W] (the backward pass's pairs, as gathered_attention's).
     Returns f32 [B, Hkv, NQ, TILE * G, D]. The backward pass is gathered_attention's.
     """
     return _gathered_prefill(q, k, v, blocks, visible, scale, backend)
@@ -321,9 +322,9 @@ def _gathered_prefill(q, k, v, blocks, visible, scale, backend):
     return out.reshape(q.shape).astype(jnp.float32)
 
 
-def _gathered_prefill_forward(q, k, v, blocks, visible, scale, backend):
+def _gathered_prefill_forward(q, k, v, blocks, visible, items, scale, backend):
     out = _gathered_prefill(q, k, v, blocks, visible, scale, backend)
-    return out, (q, k, v, blocks, visible, out)
+    return out, (q, k, v, blocks, visible, items, out)
 
 
 def _gathered_prefill_backward(scale, backend, residuals, d_out):

@@ -136,9 +136,10 @@ def test_the_trainers_gathered_attention_lowers_to_the_prefill_kernel():
     kv = jax.ShapeDtypeStruct((2, hkv, nq * 16, d), jnp.bfloat16)
     blocks = jax.ShapeDtypeStruct((2, hkv, nq, km), jnp.int32)
     visible = jax.ShapeDtypeStruct((2, 1, nq, 16 * group, km * 16), jnp.bool_)
+    items = jax.ShapeDtypeStruct((2, 1, nq), jnp.int32)
     text = lower_for_cuda(
-        lambda q, k, v, b, m: gathered_prefill_attention(q, k, v, b, m, 0.125, "pallas"),
-        q, kv, kv, blocks, visible)
+        lambda q, k, v, b, m, i: gathered_prefill_attention(q, k, v, b, m, i, 0.125, "pallas"),
+        q, kv, kv, blocks, visible, items)
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "paged_prefill_attention" in text
 

@@ -16,7 +16,8 @@ import pytest
 
 from kernels_pallas import (KERNELS_ENV, gathered_prefill_attention, invariant_kernels,
                             kernel_keyed_jit, resolve_backend)
-from kernels_pallas.blocked import KEY_BLOCK, TILE, blocked_attention, gathered_attention
+from kernels_pallas.blocked import (KEY_BLOCK, TILE, all_items, blocked_attention,
+                                    gathered_attention)
 from kernels_pallas.matmul import BLOCK_M, tile_sizes, tiled_matmul
 from kernels_pallas.normaliser import BLOCK_V, CHUNK_V, chunk_size, log_sum_exp
 
@@ -223,7 +224,8 @@ PARENTS = np.array([[0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1]])
 
 def _packed_rows(group: int):
     """-> (blocks int32 [2, NQ, KM] (each tile's TILEs in its sequence's order: its parent's,
-    then its own up to itself; -1 after), visible bool [2, NQ, TILE * G, KM * TILE])."""
+    then its own up to itself; -1 after), visible bool [2, NQ, TILE * G, KM * TILE], items
+    int32 [2, 1, W]: the (tile, key block) pairs with a listed TILE, shuffled, -1 between)."""
     nq = SEGMENTS.shape[1]
     km = -(-nq // (KEY_BLOCK // TILE)) * (KEY_BLOCK // TILE)
     blocks = np.full((2, nq, km), -1, np.int32)
@@ -245,7 +247,12 @@ def _packed_rows(group: int):
                 sees = (seg == segments[b, qc]) | ((seg == parents[b, qc]) & (parents[b, qc] > 0))
                 valid = np.repeat(blocks[b, t] >= 0, TILE)
                 visible[b, t, i] = sees & valid & (kc <= qc)
-    return blocks, np.repeat(visible, group, axis=2)
+    filled = blocks[..., ::KEY_BLOCK // TILE].reshape(2, -1) >= 0
+    items = np.full((2, 1, filled.shape[1] + 3), -1, np.int32)
+    for b in range(2):  # any order, pads anywhere: each pair is chained by its block index
+        slots = np.sort(RNG.choice(items.shape[-1], filled[b].sum(), replace=False))
+        items[b, 0, slots] = RNG.permutation(np.flatnonzero(filled[b]))
+    return blocks, np.repeat(visible, group, axis=2), items
 
 
 def test_gathered_attention_gives_each_packed_sequence_its_own_bits():
@@ -254,14 +261,17 @@ def test_gathered_attention_gives_each_packed_sequence_its_own_bits():
     rows: a sequence starting mid-block in its row, and one whose key blocks mix a shared
     prefix's TILEs with its own, included."""
     hkv, group, d, nq = 2, 2, 16, SEGMENTS.shape[1]
-    blocks, visible = _packed_rows(group)
+    blocks, visible, items = _packed_rows(group)
     q = RNG.standard_normal((2, hkv, nq, TILE * group, d)).astype(np.float32)
     k = RNG.standard_normal((2, hkv, nq * TILE, d)).astype(np.float32)
     v = RNG.standard_normal((2, hkv, nq * TILE, d)).astype(np.float32)
     heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None],
                                     (2, hkv, *blocks.shape[1:]))
-    got = np.asarray(jax.jit(gathered_attention, static_argnums=5)(
-        q, k, v, heads_blocks, jnp.asarray(visible)[:, None], 0.25))
+    attend = jax.jit(gathered_attention, static_argnums=6)
+    got = np.asarray(attend(q, k, v, heads_blocks, jnp.asarray(visible)[:, None], items, 0.25))
+    every_pair = attend(q, k, v, heads_blocks, jnp.asarray(visible)[:, None],
+                        all_items(heads_blocks), 0.25)
+    np.testing.assert_array_equal(np.asarray(every_pair), got)  # empty blocks add nothing
     checked = 0
     for b in range(2):
         for seg in range(1, SEGMENTS[b].max() + 1):
@@ -280,6 +290,41 @@ def test_gathered_attention_gives_each_packed_sequence_its_own_bits():
     assert checked == 5  # A, B, P, S1, S2
 
 
+def test_gathered_attention_gradient_is_dense_attentions_over_the_row():
+    """The cotangents of q, k and v from the computed pairs alone (shuffled, with unused
+    slots) equal autodiff through plain dense attention over each whole row under its
+    segment/parent/causal mask: a key TILE several tiles see gets all their shares."""
+    hkv, group, d, nq = 2, 2, 16, SEGMENTS.shape[1]
+    blocks, visible, items = _packed_rows(group)
+    q, k, v = (jnp.asarray(RNG.standard_normal(shape), jnp.float32) for shape in (
+        (2, hkv, nq, TILE * group, d), (2, hkv, nq * TILE, d), (2, hkv, nq * TILE, d)))
+    heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None],
+                                    (2, hkv, *blocks.shape[1:]))
+    segments, parents = np.repeat(SEGMENTS, TILE, axis=1), np.repeat(PARENTS, TILE, axis=1)
+    cols = np.arange(nq * TILE)
+    q_cols = np.repeat(cols, group)  # query row i of the flattened tiles is column i // G
+    mask = (segments[:, q_cols, None] == segments[:, None, :]) | (
+        (parents[:, q_cols, None] == segments[:, None, :]) & (parents[:, q_cols, None] > 0))
+    mask = jnp.asarray(mask & (cols[None, :] <= q_cols[:, None])[None])[:, None]
+
+    def dense(q, k, v):  # [2, Hkv, NQ * TILE * G, L] scores, one softmax per row
+        s = jnp.einsum("bhmd,bhld->bhml", q.reshape(2, hkv, -1, d), k) * 0.25
+        out = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1) @ v
+        return out.reshape(q.shape)
+
+    def gathered(q, k, v):
+        return gathered_attention(q, k, v, heads_blocks, jnp.asarray(visible)[:, None], items,
+                                  0.25)
+
+    weights = jnp.asarray(RNG.standard_normal(q.shape), jnp.float32)
+    loss = lambda f: lambda *x: (f(*x) * weights).sum()  # noqa: E731
+    np.testing.assert_allclose(np.asarray(gathered(q, k, v)), np.asarray(dense(q, k, v)),
+                               rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.grad(loss(gathered), (0, 1, 2))(q, k, v),
+                         jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_prefill_kernel_computes_the_trainers_gathered_attention(dtype):
     """Packed rows with separate sequences and a shared prefix: the prefill kernel over the
@@ -287,21 +332,22 @@ def test_the_prefill_kernel_computes_the_trainers_gathered_attention(dtype):
     model casts it), and its gradient (bf16: the kernel's output, a residual of the shared
     backward pass, is already rounded)."""
     hkv, group, d, nq = 2, 2, 16, SEGMENTS.shape[1]
-    blocks, visible = _packed_rows(group)
+    blocks, visible, items = _packed_rows(group)
     q = jnp.asarray(RNG.standard_normal((2, hkv, nq, TILE * group, d)), dtype)
     k = jnp.asarray(RNG.standard_normal((2, hkv, nq * TILE, d)), dtype)
     v = jnp.asarray(RNG.standard_normal((2, hkv, nq * TILE, d)), dtype)
     heads_blocks = jnp.broadcast_to(jnp.maximum(jnp.asarray(blocks), 0)[:, None],
                                     (2, hkv, *blocks.shape[1:]))
     vis = jnp.asarray(visible)[:, None]
-    want = jax.jit(gathered_attention, static_argnums=5)(q, k, v, heads_blocks, vis, 0.25)
+    want = jax.jit(gathered_attention, static_argnums=6)(q, k, v, heads_blocks, vis, items,
+                                                         0.25)
     kernel = jax.jit(lambda *a: gathered_prefill_attention(*a, 0.25, "interpret"))
-    got = kernel(q, k, v, heads_blocks, vis)
+    got = kernel(q, k, v, heads_blocks, vis, items)
     np.testing.assert_array_equal(np.asarray(got.astype(dtype)), np.asarray(want.astype(dtype)))
     loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()  # noqa: E731
     g_want = jax.grad(loss(lambda q, k, v: gathered_attention(q, k, v, heads_blocks, vis,
-                                                              0.25)), (0, 1, 2))(q, k, v)
-    g_got = jax.grad(loss(lambda q, k, v: kernel(q, k, v, heads_blocks, vis)),
+                                                              items, 0.25)), (0, 1, 2))(q, k, v)
+    g_got = jax.grad(loss(lambda q, k, v: kernel(q, k, v, heads_blocks, vis, items)),
                      (0, 1, 2))(q, k, v)
     for a, b in zip(g_got, g_want):
         if dtype == "float32":

@@ -164,6 +164,7 @@ def test_shared_prefix_rows_keep_every_bit_and_the_gradient():
                                positions=flat.positions, segments=flat.segments,
                                parents=flat.parents,
                                kv_blocks=flat.kv_blocks if gathered else None,
+                               items=flat.items if gathered else None,
                                columns=flat.columns if distinct else None,
                                sources=flat.sources if distinct else None,
                                chunk=8).reshape(packed.tokens.shape)
@@ -588,8 +589,15 @@ def test_shape_follows_the_prompts_not_the_sampled_lengths():
                 np.ones(16, np.float32), per_out, [np.ones(o, np.int32) for o in outs])
         packed = pack(*args, parts=[np.arange(16)], token_budget=4096,
                       reserve=prompts + max_new)
-        shapes.add((packed.tokens.shape, packed.scored.shape))
+        shapes.add((packed.tokens.shape, packed.scored.shape, packed.items.shape))
         assert float(packed.weights.sum()) == outs.sum()
+        # items: each row's (tile, key block) pairs holding a listed TILE, in order, then -1
+        filled = np.asarray(packed.kv_blocks)[..., ::4] >= 0
+        for row in np.ndindex(filled.shape[:3]):
+            items = np.asarray(packed.items)[row]
+            pairs = np.flatnonzero(filled[row])
+            np.testing.assert_array_equal(items[:len(pairs)], pairs)
+            assert (items[len(pairs):] == -1).all()
         seqs = [np.asarray(packed.tokens[0, 0, b])[np.asarray(packed.segments[0, 0, b]) == k]
                 for b in range(packed.tokens.shape[2]) for k in range(1, 17)]
         assert sorted(map(tuple, (s for s in seqs if len(s)))) == \
@@ -662,3 +670,8 @@ def test_grpo_groups_plan_for_distinct_tokens():
     live, sources = np.asarray(packed.segments) > 0, np.asarray(packed.sources)
     listed = sum(len(set(sources[r][live[r]].tolist())) for r in np.ndindex(live.shape[:3]))
     assert distinct <= listed <= packed.computed_tokens <= 1.1 * distinct
+    # attention computes the key blocks the rows' tiles fill, not every tile's longest list:
+    # here a prefix of 2 TILEs and samples of 9 see 1-3 blocks of a 3-block list (0.61x)
+    filled = int((np.asarray(packed.kv_blocks)[..., ::4] >= 0).sum())
+    padded = int(np.prod(packed.kv_blocks.shape[:-1])) * packed.kv_blocks.shape[-1] // 4
+    assert filled <= packed.items.size <= 1.1 * filled < 0.75 * padded

@@ -22,8 +22,8 @@ from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import per_batch_shard, split_batch
 from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
                             paged_decode_attention, paged_prefill_attention, write_kv)
-from kernels_pallas.blocked import (KEY_BLOCK, TILE, blocked_attention, gathered_attention,
-                                    tree_sum)
+from kernels_pallas.blocked import (KEY_BLOCK, TILE, all_items, blocked_attention,
+                                    gathered_attention, tree_sum)
 
 
 class DecoderLayers(nnx.Module):
@@ -101,18 +101,26 @@ def rms_norm(x, weight, eps):
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x, positions, inv_freq):
-    """x [..., T, H, D]; positions int32 [..., T]; inv_freq f32 [D/2]. Llama rotate-half."""
-    half = x.shape[-1] // 2
+def rotary_tables(positions, inv_freq):
+    """positions int32 [..., T]; inv_freq f32 [D/2] -> (cos, sin) f32 [..., T, 1, D/2].
+    Computed once per forward, outside the layer scan: every layer reads the same tables,
+    and no fusion recomputes sin and cos for each copy of a key it gathers."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
-    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+
+
+def rotary(x, tables):
+    """x [..., T, H, D]; tables: `rotary_tables` of its positions. Llama rotate-half."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _qkv(layer, config, h, positions, scale):
-    """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied.
-    `layer` holds one block's weights (no layer axis); scale: the LoRA scale (or None)."""
+def _qkv(layer, config, h, tables, scale):
+    """h [..., T, d_model] -> q [..., T, Hq, D], k/v [..., T, Hkv, D] with rotary applied
+    (tables: `rotary_tables` of the positions). `layer` holds one block's weights (no layer
+    axis); scale: the LoRA scale (or None)."""
     q, k, v = (linear(layer, name, h, scale) for name in ("wq", "wk", "wv"))
     if config.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -123,8 +131,7 @@ def _qkv(layer, config, h, positions, scale):
     if config.qk_norm:
         q = rms_norm(q, layer["q_norm"], config.norm_eps)
         k = rms_norm(k, layer["k_norm"], config.norm_eps)
-    inv_freq = jnp.asarray(config.inv_freq())
-    return rotary(q, positions, inv_freq), rotary(k, positions, inv_freq), v
+    return rotary(q, tables), rotary(k, tables), v
 
 
 def _mlp(layer, h, scale):
@@ -154,12 +161,13 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
     LoRA adapters in params (`models.lora`) are applied in every projection they target.
     """
     scale = params.get(LORA_SCALE)
+    tables = rotary_tables(positions, jnp.asarray(config.inv_freq()))
 
     def block(carry, layer):
         x, kv_cache, index = carry
         x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        q, k, v = _qkv(layer, config, h, positions, scale)
+        q, k, v = _qkv(layer, config, h, tables, scale)
         attn, kv_cache = attend(index, q, k, v, kv_cache)
         attn = linear(layer, "wo", attn.reshape(*attn.shape[:-2], -1), scale)
         x = x + (attn + layer["bo"] if config.out_bias else attn)
@@ -173,7 +181,7 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
 
 def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=None,
-                  parents=None, kv_blocks=None, columns=None, sources=None, *,
+                  parents=None, kv_blocks=None, items=None, columns=None, sources=None, *,
                   remat: str = "none"):
     """Dense causal forward to the last block's output (before the final norm).
 
@@ -189,6 +197,9 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     in its sequence's order (its prefix's, then its own up to itself), padded with -1:
     attention then runs on those only (`gathered_attention`); without them, packed rows
     list every visible TILE themselves (`_tile_lists`, O(T^2)), with the same bits.
+    items int32 [B, W] (optional, with kv_blocks; -1 = none): the (tile, key block) pairs
+    attention computes, as tile * KM / (KEY_BLOCK / TILE) + block (rl.packing lists those
+    with a visible key); default every pair (`gathered_attention`).
     columns int32 [B, N], sources int32 [B, T] (optional, with kv_blocks; `rl.packing`):
     the projections, norms and MLPs run on each row's N distinct tokens only (the token at
     column columns[b, n]), attention on the row layout (column t reads distinct token
@@ -206,6 +217,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
     if (columns is None) != (sources is None) or (columns is not None and kv_blocks is None):
         raise ValueError("columns and sources go together, with kv_blocks (rl.packing lists "
                          "all three)")
+    if items is not None and kv_blocks is None:
+        raise ValueError("items name pairs of kv_blocks: pass kv_blocks with them")
     if segments is None and invariant_kernels() is not None:
         # plain causal rows as one packed sequence each, so attention runs on the sampler's
         # prefill kernel too (their tile lists follow)
@@ -225,7 +238,7 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
             raise ValueError(f"kv_blocks needs segments, a row length that is a multiple of "
                              f"{TILE} (packed rows) and whole key blocks of {KEY_BLOCK // TILE} "
                              f"tiles, got length {length}, kv_blocks {kv_blocks.shape}")
-        attend = _gathered_attend(config, segments, parents, kv_blocks)
+        attend = _gathered_attend(config, segments, parents, kv_blocks, items)
         if columns is not None:
             return _distinct_forward(params, config, tokens, positions, attend, columns,
                                      sources, remat)
@@ -285,9 +298,10 @@ def _tile_lists(segments, parents):
     return jnp.pad(blocks, ((0, 0), (0, 0), (0, -nq % per)), constant_values=-1)
 
 
-def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
-    """attend() for packed rows over each query tile's visible keys only.
-    segments, parents int32 [B, T]; kv_blocks int32 [B, NQ, KM] (-1 = none)."""
+def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks, items):
+    """attend() for packed rows over each query tile's visible key blocks only.
+    segments, parents int32 [B, T]; kv_blocks int32 [B, NQ, KM] (-1 = none); items int32
+    [B, W] or None (every pair)."""
     batch, length = segments.shape
     nq, km = kv_blocks.shape[1:]
     hkv, group, hd = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
@@ -305,22 +319,24 @@ def _gathered_attend(config: ModelConfig, segments, parents, kv_blocks):
         (cols.reshape(batch, nq, 1, -1) <= q_cols)  # [B, NQ, TILE, KM * TILE]
     visible = jnp.repeat(visible, group, axis=2)[:, None]  # [B, 1, NQ, TILE * G, KM * TILE]
     blocks = jnp.broadcast_to(jnp.maximum(kv_blocks, 0)[:, None], (batch, hkv, nq, km))
+    items = all_items(kv_blocks) if items is None else items  # [B or 1, W]
+    items = jnp.broadcast_to(items[:, None], (batch, 1, items.shape[-1]))
 
     kernels = invariant_kernels()
     if kernels is None:
         gathered = gathered_attention
     else:  # the sampler's prefill kernel (a GPU's dots are not batch-invariant), per
         #     batch shard under a training mesh (a custom call the partitioner cannot split)
-        def gathered(q, k, v, blocks, visible, scale):
+        def gathered(q, k, v, blocks, visible, items, scale):
             return per_batch_shard(
                 lambda *args: gathered_prefill_attention(*args, scale, kernels),
-                q, k, v, blocks, visible)
+                q, k, v, blocks, visible, items)
 
     def attend(_, q, k, v, kv_cache):
         qg = q.reshape(batch, nq, TILE, hkv, group, hd).transpose(0, 3, 1, 2, 4, 5)
         out = gathered(qg.reshape(batch, hkv, nq, TILE * group, hd),
                        k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), blocks, visible,
-                       hd ** -0.5)  # [B, Hkv, NQ, TILE * G, D]
+                       items, hd ** -0.5)  # [B, Hkv, NQ, TILE * G, D]
         out = out.reshape(batch, hkv, nq, TILE, group, hd).transpose(0, 2, 3, 1, 4, 5)
         return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
     return attend

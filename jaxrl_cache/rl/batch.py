@@ -204,7 +204,7 @@ def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[n
     return [np.where(m, np.float32(w), np.float32(0)) for m, w in zip(masks, shares)]
 
 
-_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {(K, KM, N)}} so far
+_PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {(K, KM, N, W)}} so far
 
 
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
@@ -229,5 +229,6 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
     _, micro, rows, width = packed.tokens.shape
     known.setdefault((width, micro, rows), set()).add((packed.scored.shape[-1],
                                                        packed.kv_blocks.shape[-1],
-                                                       packed.columns.shape[-1]))
+                                                       packed.columns.shape[-1],
+                                                       packed.items.shape[-1]))
     return packed

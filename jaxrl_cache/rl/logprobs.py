@@ -26,15 +26,15 @@ LOGPROB_CHUNK = 128  # positions (rows x columns) per LM-head chunk: [chunk, V] 
 
 def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *, kind: str,
                     positions=None, segments=None, parents=None, kv_blocks=None,
-                    columns=None, sources=None, remat: str = "none",
+                    items=None, columns=None, sources=None, remat: str = "none",
                     chunk: int = LOGPROB_CHUNK, scored=None, entropy: bool = False):
     """log p(targets[b, t] | tokens[b, :t+1]) under the warped distribution -> f32 [B, T].
 
     tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
     where unused); positions, segments, parents int32 [B, T], kv_blocks int32
-    [B, T / TILE, KM], columns int32 [B, N], sources int32 [B, T], or None (see
-    `hidden_states`); knobs:
-    temperature, top_p f32 [], top_k int32 []; kind: `filter_kind` of those knobs (static).
+    [B, T / TILE, KM], items int32 [B, W], columns int32 [B, N], sources int32 [B, T], or
+    None (see `hidden_states`); knobs: temperature, top_p f32 [], top_k int32 []; kind:
+    `filter_kind` of those knobs (static).
     A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
     scored int32 [B, K] (optional): the only columns whose log-prob is needed (T = padding);
     the LM head runs on those alone and every other position gets 0.
@@ -44,7 +44,7 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
     reduction over the same chunk's logits).
     """
     x = hidden_states(params, config, tokens, positions, segments, parents, kv_blocks,
-                      columns, sources, remat=remat)
+                      items, columns, sources, remat=remat)
     if scored is not None:
         # per-row gathers and scatters (vmap: batch dims a row-sharded batch keeps local)
         cols = jnp.minimum(scored, tokens.shape[1] - 1)

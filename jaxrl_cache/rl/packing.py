@@ -37,6 +37,7 @@ from kernels_pallas.blocked import KEY_BLOCK, TILE
 ROW_ALIGN = 32  # the scored width K is a multiple of it (few LM-head shapes)
 MAX_ROW = 2048  # longest row tried when packing short sequences (attention is [B, R, R])
 SHAPE_REUSE = 1.5  # a known shape wins while it computes at most this x the tightest shape
+PAIR_ALIGN = 16  # a row's (tile, key block) pairs are padded to a multiple of it
 
 
 @flax.struct.dataclass
@@ -50,8 +51,8 @@ class PackedBatch:
     is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
     another version). scored lists the positions whose log-prob the step needs (weight > 0),
     so the LM head runs on those only (`scored_columns`); kv_blocks lists the TILEs of keys
-    each tile of TILE positions sees, in its sequence's order, so attention skips the rest
-    of the row.
+    each tile of TILE positions sees, in its sequence's order, and items the key blocks
+    those fill, so attention skips the rest of the row and every block no query sees.
     """
     tokens: jax.Array  # int32
     positions: jax.Array  # int32, restarting per sequence (continuing after a shared prefix)
@@ -67,6 +68,9 @@ class PackedBatch:
     kv_blocks: jax.Array  # int32 [U, M, B, R / TILE, KM]: the TILEs of keys each tile of
     # TILE columns attends to (its prefix's, then its own up to itself), -1 = none; KM is a
     # multiple of KEY_BLOCK / TILE (entry j = the sequence's j-th TILE: runs are key blocks)
+    items: jax.Array  # int32 [U, M, B, W]: the row's (tile, key block) pairs with a listed
+    # TILE, as tile * KM / (KEY_BLOCK / TILE) + block, increasing, then -1: attention
+    # computes these only (a tile of a short sequence, or of padding, costs what it sees)
     columns: jax.Array  # int32 [U, M, B, N]: the row's distinct tokens (N <= R), each by
     # the column it is computed at (padding: column 0)
     sources: jax.Array  # int32 [U, M, B, R]: each column's index into `columns` (a prompt
@@ -271,8 +275,8 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     versions, weights, audited: per sample [L_i - prompt_i] (recorded log-prob, version, loss
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the
-    (K, KM, N) triples (`scored_columns`, kv_blocks' last axis, columns' last axis) compiled
-    with it. reserve: per sample int [N], the tokens it could
+    (K, KM, N, W) tuples (`scored_columns`, kv_blocks' last axis, columns' last axis,
+    items' last axis) compiled with it. reserve: per sample int [N], the tokens it could
     have taken (e.g. prompt + max_new_tokens; within the budget): rows and the scored
     width K are planned for those, so the shape follows the prompts and the sampling
     settings, not the lengths the policy happened to sample (a new length is no recompile).
@@ -295,10 +299,11 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     tiles: dict = {}  # (u, m, b, tile) -> key blocks it sees
     distinct: dict = {}  # (u, m, b) -> the row's distinct tokens' columns
     planned_distinct = 0  # the most distinct tokens a row takes at the planned lengths
+    planned_pairs = 0  # the most (tile, key block) pairs a row has at the planned lengths
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
         for r, units in enumerate(part_rows):
             row = (u, *divmod(r, per_micro))
-            at, segment, columns, plan_n = 0, 0, [], 0
+            at, segment, columns, plan_n, plan_pairs = 0, 0, [], 0, 0
             sources = out["sources"][row]
             for prefix, members in units:
                 parent, prefix_blocks, prompts = 0, [], []
@@ -313,6 +318,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     columns.extend(range(at, at + prefix))
                     plan_n += prefix
                     prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
+                    plan_pairs += _pairs(0, prefix)
                     parent, at = segment, at + prefix
                 for local in members:
                     segment += 1
@@ -335,10 +341,12 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     columns.extend(range(at + shared, at + n))
                     prompts.append((seq[:p], sources[at:at + p].copy()))
                     plan_n += planned[i] - prefix - shared
+                    plan_pairs += _pairs(len(prefix_blocks), planned[i] - prefix)
                     _tile_blocks(tiles, row, at, n, prefix_blocks)
                     at += aligned_length(n)
             distinct[row] = columns
             planned_distinct = max(planned_distinct, plan_n)
+            planned_pairs = max(planned_pairs, plan_pairs)
     seen = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
     most = 0 if reserve is None else max(  # the planned rows' output tokens
         sum(planned[i] - int(prompt_lengths[i]) for _, members in units
@@ -348,12 +356,20 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     # a tile sees at most its sequence's blocks (prefix included): planned for the longest
     need = max(int(lengths.max()) // TILE, max(map(len, tiles.values()), default=1))
     need = _round_up(need, KEY_BLOCK // TILE)  # whole key blocks
-    km = min([c for _, c, _ in seen if c >= need] or [need])
+    km = min([c for _, c, *_ in seen if c >= need] or [need])
     out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
+    filled = out["kv_blocks"][..., ::KEY_BLOCK // TILE] >= 0  # [U, M, B, R / TILE, KM / 4]
+    filled = filled.reshape(*shape[:3], -1)
+    need = max(int(filled.sum(-1).max()), planned_pairs)  # planned: >= any sampled row's
+    w = min([c for *_, c in seen if c >= need] or [_round_up(max(need, 1), PAIR_ALIGN)])
+    out["items"] = np.full((*shape[:3], w), -1, np.int32)
+    for row in np.ndindex(*shape[:3]):
+        pairs = np.flatnonzero(filled[row])
+        out["items"][row][:len(pairs)] = pairs
     need = max(max(map(len, distinct.values())), planned_distinct if reserve is not None else 0)
-    n = min([c for *_, c in seen if c >= need]
+    n = min([c for *_, c, _ in seen if c >= need]
             or [min(width, _round_up(max(need, 1), ROW_ALIGN))])
     out["columns"] = np.zeros((*shape[:3], n), np.int32)
     for row, columns in distinct.items():
@@ -370,6 +386,13 @@ def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) ->
     for j, block in enumerate(own):
         tiles[(*row, block)] = before + own[:j + 1]
     return before + own
+
+
+def _pairs(before: int, n: int) -> int:
+    """(tile, key block) pairs of a sequence of n tokens whose tiles each first see
+    `before` TILEs (its prefix's): tile j sees before + j + 1 TILEs."""
+    per = KEY_BLOCK // TILE
+    return sum(-(-(before + j + 1) // per) for j in range(-(-n // TILE)))
 
 
 def _shared_prompt(prompt: np.ndarray, earlier: list) -> tuple[int, np.ndarray | None]:

@@ -177,7 +177,8 @@ def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: 
     out = token_log_probs(_compute_params(_model(params, frozen), cfg), config, mb.tokens,
                           mb.targets, knobs, kind=kind, positions=mb.positions,
                           segments=mb.segments, parents=mb.parents,
-                          kv_blocks=mb.kv_blocks, columns=mb.columns, sources=mb.sources,
+                          kv_blocks=mb.kv_blocks, items=mb.items, columns=mb.columns,
+                          sources=mb.sources,
                           remat=cfg.remat,
                           chunk=cfg.logprob_chunk, scored=mb.scored, entropy=entropy)
     return (jnp.maximum(out[0], -1e4), out[1]) if entropy else jnp.maximum(out, -1e4)
