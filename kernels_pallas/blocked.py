@@ -315,7 +315,7 @@ def _take(x, index, extra: int):
                                axis=len(lead), mode="clip")
 
 
-def _pairs(q, k, blocks, visible, items):
+def _pairs(q, blocks, visible, items):
     """The computed pairs' operands: (tile [..., W], key TILEs [..., W, KEY_BLOCK / TILE],
     q [..., W, M, D], visible [..., W, M, KEY_BLOCK], slot [..., NQ, NB] (each tile's
     pair per key block, W = none))."""
@@ -350,16 +350,23 @@ def _per_tile(x, slot, fill):
 
 
 def _gathered_forward(q, k, v, blocks, visible, items, scale):
-    tile, key_tiles, qp, vis, slot = _pairs(q, k, blocks, visible, items)
+    tile, key_tiles, qp, vis, slot = _pairs(q, blocks, visible, items)
     kp, vp = _gather_tiles(k, key_tiles), _gather_tiles(v, key_tiles)  # [..., W, KB, D]
     s = jnp.where(vis, block_scores(qp, kp[..., None, :, :], scale)[..., 0, :, :], -jnp.inf)
-    top = jax.lax.stop_gradient(_per_tile(s.max(-1), slot, -jnp.inf).max(-2))  # [..., NQ, M]
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.where(vis, jnp.exp(s - _take(top, tile, 1)[..., None]), 0.0)  # [..., W, M, KB]
+    p = _pair_exp(s, vis, tile, slot)  # [..., W, M, KB]
     o = block_values(p[..., None, :, :], vp[..., None, :, :])[..., 0, :, :]
     o_blocks, l_blocks = _per_tile(o, slot, 0.0), _per_tile(tree_sum(p, -1), slot, 0.0)
     out = combine_blocks(o_blocks, l_blocks)  # [..., NQ, M, D]
     return out, (q, k, v, blocks, visible, items, out)
+
+
+def _pair_exp(s, vis, tile, slot):
+    """s f32 [..., W, M, KB] scores of the pairs (-inf where invisible), vis, tile, slot as
+    `_pairs` gives them -> exp(s - the max over every visible key of the query's row, all
+    its tile's pairs) [..., W, M, KB], 0 where invisible (a row seeing nothing gets 0)."""
+    top = _per_tile(s.max(-1), slot, -jnp.inf).max(-2)  # [..., NQ, M]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    return jnp.where(vis, jnp.exp(s - _take(top, tile, 1)[..., None]), 0.0)
 
 
 def _gather_tiles(x, key_tiles):
@@ -382,13 +389,11 @@ def gathered_attention_backward(scale, residuals, d_out):
     query cotangents summed per tile, key cotangents summed back into their TILEs (one
     several tiles see gets all their shares)."""
     q, k, v, blocks, visible, items, out = residuals
-    tile, key_tiles, qp, vis, slot = _pairs(q, k, blocks, visible, items)
+    tile, key_tiles, qp, vis, slot = _pairs(q, blocks, visible, items)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     kp, vp = f32(_gather_tiles(k, key_tiles)), f32(_gather_tiles(v, key_tiles))
     s = jnp.where(vis, jnp.einsum("...md,...kd->...mk", f32(qp), kp) * scale, -jnp.inf)
-    top = _per_tile(s.max(-1), slot, -jnp.inf).max(-2)  # [..., NQ, M]
-    p = jnp.where(vis, jnp.exp(s - _take(jnp.where(jnp.isfinite(top), top, 0.0), tile,
-                                          1)[..., None]), 0.0)
+    p = _pair_exp(s, vis, tile, slot)
     denom = _per_tile(p.sum(-1), slot, 0.0).sum(-2)  # [..., NQ, M]
     p = p * _take(1.0 / jnp.where(denom > 0, denom, 1.0), tile, 1)[..., None]
     d_out = f32(d_out)

@@ -318,7 +318,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     columns.extend(range(at, at + prefix))
                     plan_n += prefix
                     prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
-                    plan_pairs += _pairs(0, prefix)
+                    plan_pairs += _pair_count(0, prefix)
                     parent, at = segment, at + prefix
                 for local in members:
                     segment += 1
@@ -341,7 +341,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     columns.extend(range(at + shared, at + n))
                     prompts.append((seq[:p], sources[at:at + p].copy()))
                     plan_n += planned[i] - prefix - shared
-                    plan_pairs += _pairs(len(prefix_blocks), planned[i] - prefix)
+                    plan_pairs += _pair_count(len(prefix_blocks), planned[i] - prefix)
                     _tile_blocks(tiles, row, at, n, prefix_blocks)
                     at += aligned_length(n)
             distinct[row] = columns
@@ -388,7 +388,7 @@ def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) ->
     return before + own
 
 
-def _pairs(before: int, n: int) -> int:
+def _pair_count(before: int, n: int) -> int:
     """(tile, key block) pairs of a sequence of n tokens whose tiles each first see
     `before` TILEs (its prefix's): tile j sees before + j + 1 TILEs."""
     per = KEY_BLOCK // TILE
