@@ -675,3 +675,82 @@ def test_grpo_groups_plan_for_distinct_tokens():
     filled = int((np.asarray(packed.kv_blocks)[..., ::4] >= 0).sum())
     padded = int(np.prod(packed.kv_blocks.shape[:-1])) * packed.kv_blocks.shape[-1] // 4
     assert filled <= packed.items.size <= 1.1 * filled < 0.75 * padded
+
+
+def _grpo_like(rng, outs, prompt_len=45, group=8):
+    """Sequences of len(outs) / group prompts of prompt_len tokens, sample i with outs[i]
+    output tokens; the pack() arguments for them (weights 1 on every output token)."""
+    sequences, prompts = [], []
+    for g in range(len(outs) // group):
+        prompt = list(rng.integers(1, 1000, prompt_len))
+        for o in outs[g * group:(g + 1) * group]:
+            sequences.append(np.array(prompt + list(rng.integers(1, 1000, o)), np.int32))
+            prompts.append(prompt_len)
+    per_out = [np.ones(o, np.float32) for o in outs]
+    return (sequences, np.array(prompts), per_out, [np.zeros(o, np.int32) for o in outs],
+            np.ones(len(outs), np.float32), per_out, [np.ones(o, np.int32) for o in outs])
+
+
+def test_sampled_lengths_are_laid_out_densely_in_the_planned_shape():
+    """8 prompts x 8 samples reserved 128 new tokens, sampled shorter (as a policy that
+    stops at EOS): the shape is the one planned for 128 each (no recompile), but the
+    samples fill its first micro-batches and the rest hold padding alone (the train step
+    skips those), each row within the shape's distinct-token, scored and pair widths.
+    Before, each sample kept its reserved columns: all 4 micro-batches computed."""
+    rng = np.random.default_rng(0)
+    full = _grpo_like(rng, [128] * 64)
+    planned = pack(*full, parts=[np.arange(64)], token_budget=4096,
+                   reserve=full[1] + 128)
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        outs = np.where(rng.random(64) < 0.2, 128, rng.integers(15, 60, 64))
+        args = _grpo_like(rng, list(outs))
+        packed = pack(*args, parts=[np.arange(64)], token_budget=4096, reserve=args[1] + 128)
+        assert jax.tree.map(np.shape, packed) == jax.tree.map(np.shape, planned)
+        weights = np.asarray(packed.weights)
+        assert weights.sum() == outs.sum()
+        used = (weights > 0).any(axis=(-1, -2))[0]  # [M]: micro-batches with a scored token
+        assert used.sum() < used.size and used[:used.sum()].all()  # a prefix of them
+        assert (np.asarray(packed.segments)[0, ~used] == 0).all()  # the rest: padding
+        # every sample whole, once, each in one row
+        segments, tokens = np.asarray(packed.segments), np.asarray(packed.tokens)
+        parents, sources = np.asarray(packed.parents), np.asarray(packed.sources)
+        found = []
+        for row in np.ndindex(segments.shape[:3]):
+            for k in set(segments[row].tolist()) - {0}:
+                seq = tokens[row][segments[row] == k]
+                if (parents[row][segments[row] == k] > 0).any():  # after a shared prefix
+                    p = parents[row][segments[row] == k][0]
+                    seq = np.concatenate([tokens[row][segments[row] == p], seq])
+                elif (parents[row] == k).any():
+                    continue  # the shared prefix itself
+                found.append(tuple(seq))
+                # its distinct tokens are listed: every column maps into `columns`
+                assert (sources[row][segments[row] == k] < packed.columns.shape[-1]).all()
+        assert sorted(found) == sorted(map(tuple, args[0]))
+
+
+def test_padding_micro_batches_are_skipped(monkeypatch):
+    """A micro-batch of padding alone (no weight > 0) is not computed: one appended to a
+    batch, its weights NaN (not > 0, and NaN in the loss were it computed), leaves the
+    step's params and metrics bit for bit those of the batch without it."""
+    sp = dataclasses.replace(SETTINGS[1], max_new_tokens=12)
+    rollouts = rollout(varied_params(0), sp, groups=4)
+    batch = make_batch(rollouts, rewards(rollouts))
+    cfg = TrainConfig(token_budget=64)
+    plain, plain_m = train_step(_state(tx=SGD), batch, cfg)
+
+    def padded(*a, **kw):
+        packed = pack_batch(*a, **kw)
+        assert packed.tokens.shape[1] > 1  # a scan over micro-batches
+        extra = jax.tree.map(lambda x: jnp.zeros_like(x[:, :1]), packed)
+        extra = extra.replace(weights=jnp.full_like(extra.weights, jnp.nan),
+                              kv_blocks=extra.kv_blocks - 1, items=extra.items - 1)
+        return jax.tree.map(lambda a, b: jnp.concatenate([a, b], 1), packed, extra)
+
+    monkeypatch.setattr(train, "pack_batch", padded)
+    skipped, skipped_m = train_step(_state(tx=SGD), batch, cfg)
+    for a, b in zip(jax.tree.leaves(skipped.params), jax.tree.leaves(plain.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for key in ("loss", "grad_norm", "audit_diff_max", "tokens"):
+        np.testing.assert_array_equal(np.asarray(skipped_m[key]), np.asarray(plain_m[key]))

@@ -209,9 +209,11 @@ _PACKED_SHAPES: dict = {}  # (U, token_budget, row_multiple) -> {(R, M, B): {(K,
 
 def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) -> PackedBatch:
     """The batch as [mini_batches, M, B, R] micro-batches (`packing.balanced_parts`),
-    planned for every sample at prompt + max_new_tokens, or its length when longer (an
-    episode), so the shape follows the prompts, not the sampled lengths; preferring a shape this process packed (so compiled)
-    before (`packing.plan`)."""
+    its shape planned for every sample at prompt + max_new_tokens, or its length when
+    longer (an episode), so the shape follows the prompts, not the sampled lengths; the
+    samples laid out densely in it as sampled (micro-batches they do not reach are padding,
+    skipped by the step); preferring a shape this process packed (so compiled) before
+    (`packing.plan`)."""
     if batch.num_samples < cfg.mini_batches:
         raise ValueError(f"mini_batches={cfg.mini_batches} exceeds the batch's "
                          f"{batch.num_samples} samples")

@@ -22,8 +22,11 @@ the row); B is as small as the rows need (`rows_bucket`); mini-batches are balan
 (`PackedBatch.computed_tokens`). A shape compiled before (`known`) is taken instead when it
 holds the batch at most SHAPE_REUSE x the tightest cost: one compile of the train step costs
 as much as many steps of padding. With `reserve` (the train step passes prompt +
-max_new_tokens) rows and K are planned for the lengths samples could have taken, so the
-shape follows the prompts and sampling settings, not the lengths the policy sampled.
+max_new_tokens) the shape is planned for the lengths samples could have taken, so it
+follows the prompts and sampling settings, not the lengths the policy sampled; the samples
+are then laid out densely in it at the lengths they took (`_dense_rows`), so a batch of
+short samples fills the first micro-batches and leaves the rest padding, which the train
+step skips.
 """
 from __future__ import annotations
 
@@ -78,8 +81,10 @@ class PackedBatch:
 
     @property
     def computed_tokens(self) -> int:
-        """Token rows the projections and MLPs run on (U x M x B x N)."""
-        return int(np.prod(self.columns.shape))
+        """Token rows the projections and MLPs run on: B x N for each micro-batch with a
+        scored token (the train step skips the others)."""
+        used = np.asarray(self.weights > 0).any(axis=(-1, -2))  # [U, M]
+        return int(used.sum()) * int(np.prod(self.columns.shape[2:]))
 
 
 def _first_fit(lengths, capacity: int) -> list[list[int]]:
@@ -277,20 +282,35 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the
     (K, KM, N, W) tuples (`scored_columns`, kv_blocks' last axis, columns' last axis,
     items' last axis) compiled with it. reserve: per sample int [N], the tokens it could
-    have taken (e.g. prompt + max_new_tokens; within the budget): rows and the scored
-    width K are planned for those, so the shape follows the prompts and the sampling
-    settings, not the lengths the policy happened to sample (a new length is no recompile).
+    have taken (e.g. prompt + max_new_tokens; within the budget): the shape (rows, K, N, W)
+    is planned for those, so it follows the prompts and the sampling settings, not the
+    lengths the policy happened to sample (a new length is no recompile); the samples as
+    sampled are then laid out densely in it (`_dense_rows`), so the micro-batches they do
+    not reach hold padding alone, and the train step skips those (`rl.train`).
     share_prefixes: samples of a part with the same `shared_prefix` lay it out once.
     """
     cap = token_budget // TILE * TILE  # a reserve never makes a sample not fit
-    planned = [len(s) for s in sequences] if reserve is None else \
-        [max(min(int(r), cap), len(s)) for r, s in zip(reserve, sequences)]
+    sampled = [len(s) for s in sequences]
+    planned = sampled if reserve is None else \
+        [max(min(int(r), cap), n) for r, n in zip(reserve, sampled)]
     lengths = np.array([aligned_length(n) for n in planned])
     groups = [_groups(sequences, prompt_lengths, p) if share_prefixes else () for p in parts]
     repeats = [_repeats(sequences, prompt_lengths, p, g) for p, g in zip(parts, groups)]
     width, micro, per_micro, rows = plan([lengths[p] for p in parts], token_budget,
                                          row_multiple, known, groups, repeats)
     shape = (len(parts), micro, per_micro, width)
+    seen = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
+    # the planned rows' most distinct tokens, output tokens and pairs: every sampled layout's
+    # bound, so K, N and W follow the plan too
+    stats = [_row_stats(units, part, sequences, prompt_lengths, planned)
+             for part, part_rows in zip(parts, rows) for units in part_rows]
+    planned_distinct, most, planned_pairs = (max(s[k] for s in stats) for k in (1, 2, 3))
+    if reserve is not None:
+        bounds = (width, _pick({n for *_, n, _ in seen}, planned_distinct, ROW_ALIGN, width),
+                  _pick({k for k, *_ in seen}, most, ROW_ALIGN, width),
+                  _pick({w for *_, w in seen}, planned_pairs, PAIR_ALIGN))
+        rows = _dense_rows(sequences, prompt_lengths, parts, groups, bounds,
+                           micro * per_micro) or rows
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)
            for k in ("tokens", "positions", "segments", "parents", "targets", "weights",
@@ -298,12 +318,10 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     out["sources"] = np.zeros(shape, np.int32)
     tiles: dict = {}  # (u, m, b, tile) -> key blocks it sees
     distinct: dict = {}  # (u, m, b) -> the row's distinct tokens' columns
-    planned_distinct = 0  # the most distinct tokens a row takes at the planned lengths
-    planned_pairs = 0  # the most (tile, key block) pairs a row has at the planned lengths
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
         for r, units in enumerate(part_rows):
             row = (u, *divmod(r, per_micro))
-            at, segment, columns, plan_n, plan_pairs = 0, 0, [], 0, 0
+            at, segment, columns = 0, 0, []
             sources = out["sources"][row]
             for prefix, members in units:
                 parent, prefix_blocks, prompts = 0, [], []
@@ -316,9 +334,7 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     out["targets"][row][at:at + prefix] = seq[1:prefix + 1]
                     sources[at:at + prefix] = len(columns) + np.arange(prefix)
                     columns.extend(range(at, at + prefix))
-                    plan_n += prefix
                     prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
-                    plan_pairs += _pair_count(0, prefix)
                     parent, at = segment, at + prefix
                 for local in members:
                     segment += 1
@@ -340,19 +356,11 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     sources[at + shared:at + n] = len(columns) + np.arange(n - shared)
                     columns.extend(range(at + shared, at + n))
                     prompts.append((seq[:p], sources[at:at + p].copy()))
-                    plan_n += planned[i] - prefix - shared
-                    plan_pairs += _pair_count(len(prefix_blocks), planned[i] - prefix)
                     _tile_blocks(tiles, row, at, n, prefix_blocks)
                     at += aligned_length(n)
             distinct[row] = columns
-            planned_distinct = max(planned_distinct, plan_n)
-            planned_pairs = max(planned_pairs, plan_pairs)
-    seen = known.get((width, micro, per_micro), ()) if isinstance(known, dict) else ()
-    most = 0 if reserve is None else max(  # the planned rows' output tokens
-        sum(planned[i] - int(prompt_lengths[i]) for _, members in units
-            for i in map(int, part[list(members)]))
-        for part, part_rows in zip(parts, rows) for units in part_rows)
-    out["scored"] = scored_columns(out["weights"], {k for k, *_ in seen}, at_least=most)
+    out["scored"] = scored_columns(out["weights"], {k for k, *_ in seen},
+                                   at_least=0 if reserve is None else most)
     # a tile sees at most its sequence's blocks (prefix included): planned for the longest
     need = max(int(lengths.max()) // TILE, max(map(len, tiles.values()), default=1))
     need = _round_up(need, KEY_BLOCK // TILE)  # whole key blocks
@@ -363,18 +371,114 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     filled = out["kv_blocks"][..., ::KEY_BLOCK // TILE] >= 0  # [U, M, B, R / TILE, KM / 4]
     filled = filled.reshape(*shape[:3], -1)
     need = max(int(filled.sum(-1).max()), planned_pairs)  # planned: >= any sampled row's
-    w = min([c for *_, c in seen if c >= need] or [_round_up(max(need, 1), PAIR_ALIGN)])
+    w = _pick({c for *_, c in seen}, need, PAIR_ALIGN)
     out["items"] = np.full((*shape[:3], w), -1, np.int32)
     for row in np.ndindex(*shape[:3]):
         pairs = np.flatnonzero(filled[row])
         out["items"][row][:len(pairs)] = pairs
     need = max(max(map(len, distinct.values())), planned_distinct if reserve is not None else 0)
-    n = min([c for *_, c, _ in seen if c >= need]
-            or [min(width, _round_up(max(need, 1), ROW_ALIGN))])
+    n = _pick({c for *_, c, _ in seen}, need, ROW_ALIGN, width)
     out["columns"] = np.zeros((*shape[:3], n), np.int32)
     for row, columns in distinct.items():
         out["columns"][row][:len(columns)] = columns
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
+
+
+def _pick(known: set, need: int, align: int, limit: int | None = None) -> int:
+    """The smallest known size holding `need`, else need rounded up to `align` (at most
+    `limit`)."""
+    fresh = _round_up(max(need, 1), align)
+    return min([c for c in known if c >= need] or [fresh if limit is None else min(limit, fresh)])
+
+
+def _member_stats(prefix: int, prompt, n: int, p: int, earlier: list) -> tuple[int, ...]:
+    """(columns, distinct tokens, output tokens, (tile, key block) pairs) one sample adds to
+    a unit with a shared `prefix` (0: none): n tokens and a prompt of p after the prefix
+    (`prompt`: those p ids), `earlier` the unit's earlier members' prompts (as
+    `_shared_prompt` takes them)."""
+    shared, _ = _shared_prompt(prompt, earlier)
+    return aligned_length(n), n - shared, n - p, _pair_count(prefix // TILE, n)
+
+
+def _unit_stats(unit, part, sequences, prompt_lengths, counts) -> tuple[int, ...]:
+    """(columns, distinct tokens, output tokens, pairs) a unit (prefix, members) takes with
+    its samples at `counts` tokens (per sample: planned or sampled), as `pack` lays it out."""
+    prefix, members = unit
+    total = (prefix, prefix, 0, _pair_count(0, prefix) if prefix else 0)
+    earlier = []
+    for local in members:
+        i = int(part[local])
+        p = int(prompt_lengths[i]) - prefix
+        prompt = np.asarray(sequences[i])[prefix:prefix + p]
+        add = _member_stats(prefix, prompt, int(counts[i]) - prefix, p, earlier)
+        earlier.append((prompt, None))
+        total = tuple(map(sum, zip(total, add)))
+    return total
+
+
+def _row_stats(units, part, sequences, prompt_lengths, counts) -> tuple[int, ...]:
+    """`_unit_stats` summed over a row's units."""
+    stats = [_unit_stats(u, part, sequences, prompt_lengths, counts) for u in units]
+    return tuple(map(sum, zip(*stats))) if stats else (0, 0, 0, 0)
+
+
+def _dense_units(sequences, prompt_lengths, part, groups, bounds: tuple) -> list:
+    """The part's units at the sampled lengths, each within `bounds` (a group's prefix + as
+    many members as fit, longest first, as `_units`): [(unit, its stats)]."""
+    units, grouped = [], set()
+    within = lambda total: all(t <= b for t, b in zip(total, bounds))  # noqa: E731
+    single = lambda i: _unit_stats((0, (i,)), part, sequences, prompt_lengths,  # noqa: E731
+                                   [len(s) for s in sequences])
+    for prefix, members in groups:
+        grouped.update(map(int, members))
+        order = sorted(map(int, members), key=lambda i: -len(sequences[int(part[i])]))
+        start = (prefix, prefix, 0, _pair_count(0, prefix))
+        chunk, total, earlier = [], start, []
+        for local in order:
+            i = int(part[local])
+            p = int(prompt_lengths[i]) - prefix
+            prompt = np.asarray(sequences[i])[prefix:prefix + p]
+            add = _member_stats(prefix, prompt, len(sequences[i]) - prefix, p, earlier)
+            grown = tuple(map(sum, zip(total, add)))
+            if chunk and not within(grown):
+                units.append(((prefix, tuple(chunk)), total) if len(chunk) > 1
+                             else ((0, tuple(chunk)), single(chunk[0])))
+                earlier = []
+                add = _member_stats(prefix, prompt, len(sequences[i]) - prefix, p, earlier)
+                chunk, grown = [], tuple(map(sum, zip(start, add)))
+            chunk.append(local)
+            earlier.append((prompt, None))
+            total = grown
+        units.append(((prefix, tuple(chunk)), total) if len(chunk) > 1
+                     else ((0, tuple(chunk)), single(chunk[0])))
+    return units + [((0, (i,)), single(i)) for i in range(len(part)) if i not in grouped]
+
+
+def _dense_rows(sequences, prompt_lengths, parts, groups, bounds: tuple, room: int):
+    """Each part's samples at their sampled lengths packed first-fit decreasing into rows
+    within `bounds` (columns R, distinct tokens N, output tokens K, pairs W: the planned
+    shape's), or None if a part needs more than `room` rows (first-fit can need more bins
+    for smaller items; the planned layout then holds them)."""
+    out = []
+    for part, part_groups in zip(parts, groups):
+        rows, used = [], []
+        units = _dense_units(sequences, prompt_lengths, part, part_groups, bounds)
+        for unit, stats in sorted(units, key=lambda u: -max(s / b for s, b in zip(u[1], bounds))):
+            if not all(s <= b for s, b in zip(stats, bounds)):
+                return None
+            for r, total in enumerate(used):
+                grown = tuple(map(sum, zip(total, stats)))
+                if all(t <= b for t, b in zip(grown, bounds)):
+                    rows[r].append(unit)
+                    used[r] = grown
+                    break
+            else:
+                rows.append([unit])
+                used.append(stats)
+        if len(rows) > room:
+            return None
+        out.append(rows)
+    return out
 
 
 def _tile_blocks(tiles: dict, row: tuple, at: int, n: int, before: list[int]) -> list[int]:

@@ -9,7 +9,8 @@ scales its output by -schedule(version). Every `count` inside the optimizer stat
 version at all times; checkpoints verify it.
 
 Each update accumulates gradients over the batch's packed micro-batches (rl/batch.py) in one
-jitted scan (no host round trip); a micro-batch's log-probs come from one forward
+jitted scan (no host round trip), skipping a micro-batch of padding alone (the room the shape
+reserves for longer samples); a micro-batch's log-probs come from one forward
 (rl/logprobs.py), which feeds both the loss (rl/loss.py) and the in-step audit
 (rl/audit.py). Memory: rl/memory.py.
 
@@ -189,8 +190,11 @@ def _score(params, frozen, packed: PackedBatch, knobs, *, config, kind, cfg: Tra
     """Log-probs [U, M, B, R] of every target under `params`, no gradient (the proximal
     policy, the reference policy)."""
     def one(_, mb):
-        return None, jax.lax.stop_gradient(_micro_log_probs(params, frozen, config, mb, knobs,
-                                                            kind, cfg))
+        logp = jax.lax.cond(  # a micro-batch of padding alone scores nothing: skipped
+            jnp.any(mb.weights > 0),
+            lambda: _micro_log_probs(params, frozen, config, mb, knobs, kind, cfg),
+            lambda: jnp.zeros(mb.tokens.shape, jnp.float32))
+        return None, jax.lax.stop_gradient(logp)
     flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), packed)
     _, logp = jax.lax.scan(one, None, flat)
     return logp.reshape(packed.tokens.shape)
@@ -230,20 +234,29 @@ def _gradients(params, frozen, config, part: PackedBatch, proximal, ref, knobs, 
                                       take(ref), knobs, kind, version, nums, cfg)
         return grads, loss, sums
 
-    def micro(carry, xs):
-        grads, loss, sums = carry
-        mb, prox, rf = xs
-        (l, s), g = grad_fn(params, frozen, config, mb, prox, rf, knobs, kind, version, nums,
-                            cfg)
-        sums = {k: jnp.maximum(sums[k], v) if k in _MAXED else sums[k] + v
-                for k, v in s.items()}
-        return (jax.tree.map(jnp.add, grads, g), loss + l, sums), None
-
     zeros = jax.tree.map(jnp.zeros_like, params)
     first = jax.eval_shape(lambda: _micro_loss(params, frozen, config, take(part),
                                                take(proximal), take(ref), knobs, kind, version,
                                                nums, cfg)[1])
     sums0 = {k: jnp.zeros(v.shape, v.dtype) for k, v in first.items()}
+
+    def micro(carry, xs):
+        grads, loss, sums = carry
+        mb, prox, rf = xs
+
+        def run(_):
+            (l, s), g = grad_fn(params, frozen, config, mb, prox, rf, knobs, kind, version,
+                                nums, cfg)
+            return g, l, s
+
+        # a micro-batch of padding alone (the plan reserves room the sampled lengths did
+        # not take: rl/packing.py) adds exact zeros: skipped
+        g, l, s = jax.lax.cond(jnp.any(mb.weights > 0), run,
+                               lambda _: (zeros, jnp.float32(0), sums0), None)
+        sums = {k: jnp.maximum(sums[k], v) if k in _MAXED else sums[k] + v
+                for k, v in s.items()}
+        return (jax.tree.map(jnp.add, grads, g), loss + l, sums), None
+
     (grads, loss, sums), _ = jax.lax.scan(micro, (zeros, jnp.float32(0), sums0),
                                           (part, proximal, ref))
     return grads, loss, sums
