@@ -754,3 +754,22 @@ def test_padding_micro_batches_are_skipped(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for key in ("loss", "grad_norm", "audit_diff_max", "tokens"):
         np.testing.assert_array_equal(np.asarray(skipped_m[key]), np.asarray(plain_m[key]))
+
+
+def test_widths_are_one_compiled_tuple():
+    """The scored, key-list, distinct-token and pair widths (K, KM, N, W) are taken as one
+    tuple compiled before with the shape (the one computing least that holds the batch),
+    never a mix of two: each width's smallest compiled value, picked apart, would give a
+    program no step compiled."""
+    rng = np.random.default_rng(0)
+    args = _grpo_like(rng, [int(o) for o in rng.integers(15, 60, 16)])
+    widths = lambda p: (p.scored.shape[-1], p.kv_blocks.shape[-1],  # noqa: E731
+                        p.columns.shape[-1], p.items.shape[-1])
+    first = pack(*args, parts=[np.arange(16)], token_budget=4096, reserve=args[1] + 128)
+    k, km, n, w = widths(first)
+    _, micro, rows, width = first.tokens.shape
+    seen = {(k + 64, km, n, w), (k, km, n + 64, w + 16)}  # both hold it; (k, km, n, w) is new
+    packed = pack(*args, parts=[np.arange(16)], token_budget=4096, reserve=args[1] + 128,
+                  known={(width, micro, rows): seen})
+    assert packed.tokens.shape == first.tokens.shape
+    assert widths(packed) == (k + 64, km, n, w)  # the one with fewer distinct-token rows

@@ -281,7 +281,8 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     weight and checkability of each output token); advantages f32 [N]; parts: sample indices of each
     mini-batch (in order); known: as in `plan`; as a dict, each shape's value holds the
     (K, KM, N, W) tuples (`scored_columns`, kv_blocks' last axis, columns' last axis,
-    items' last axis) compiled with it. reserve: per sample int [N], the tokens it could
+    items' last axis) compiled with it, one of which is taken whole when it holds the batch
+    (`_compiled_widths`). reserve: per sample int [N], the tokens it could
     have taken (e.g. prompt + max_new_tokens; within the budget): the shape (rows, K, N, W)
     is planned for those, so it follows the prompts and the sampling settings, not the
     lengths the policy happened to sample (a new length is no recompile); the samples as
@@ -305,11 +306,13 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     stats = [_row_stats(units, part, sequences, prompt_lengths, planned)
              for part, part_rows in zip(parts, rows) for units in part_rows]
     planned_distinct, most, planned_pairs = (max(s[k] for s in stats) for k in (1, 2, 3))
+    per = KEY_BLOCK // TILE
+    km_need = _round_up(int(lengths.max()) // TILE, per)  # a tile sees its sequence's TILEs
+    widths = lambda scored, distinct, pairs: _compiled_widths(  # noqa: E731 (K, KM, N, W)
+        seen, (scored, km_need, distinct, pairs), width, reserve is not None)
     if reserve is not None:
-        bounds = (width, _pick({n for *_, n, _ in seen}, planned_distinct, ROW_ALIGN, width),
-                  _pick({k for k, *_ in seen}, most, ROW_ALIGN, width),
-                  _pick({w for *_, w in seen}, planned_pairs, PAIR_ALIGN))
-        rows = _dense_rows(sequences, prompt_lengths, parts, groups, bounds,
+        k, _, n, w = widths(most, planned_distinct, planned_pairs)
+        rows = _dense_rows(sequences, prompt_lengths, parts, groups, (width, n, k, w),
                            micro * per_micro) or rows
     out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
                        else np.int32)
@@ -359,36 +362,43 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                     _tile_blocks(tiles, row, at, n, prefix_blocks)
                     at += aligned_length(n)
             distinct[row] = columns
-    out["scored"] = scored_columns(out["weights"], {k for k, *_ in seen},
-                                   at_least=0 if reserve is None else most)
-    # a tile sees at most its sequence's blocks (prefix included): planned for the longest
-    need = max(int(lengths.max()) // TILE, max(map(len, tiles.values()), default=1))
-    need = _round_up(need, KEY_BLOCK // TILE)  # whole key blocks
-    km = min([c for _, c, *_ in seen if c >= need] or [need])
+    row_pairs: dict = {}  # (u, m, b) -> (tile, key block) pairs with a listed TILE
+    for (*row, _), blocks in tiles.items():
+        row_pairs[tuple(row)] = row_pairs.get(tuple(row), 0) + -(-len(blocks) // per)
+    scored = int((out["weights"] > 0).sum(-1).max(initial=0))
+    planned = reserve is not None  # planned bounds hold any sampled layout's
+    k, km, n, w = widths(max(scored, most if planned else 0),
+                         max(max(map(len, distinct.values())), planned_distinct if planned else 0),
+                         max(max(row_pairs.values(), default=0), planned_pairs))
+    out["scored"] = scored_columns(out["weights"], {k})
     out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
-    filled = out["kv_blocks"][..., ::KEY_BLOCK // TILE] >= 0  # [U, M, B, R / TILE, KM / 4]
+    filled = out["kv_blocks"][..., ::per] >= 0  # [U, M, B, R / TILE, KM / 4]
     filled = filled.reshape(*shape[:3], -1)
-    need = max(int(filled.sum(-1).max()), planned_pairs)  # planned: >= any sampled row's
-    w = _pick({c for *_, c in seen}, need, PAIR_ALIGN)
     out["items"] = np.full((*shape[:3], w), -1, np.int32)
     for row in np.ndindex(*shape[:3]):
         pairs = np.flatnonzero(filled[row])
         out["items"][row][:len(pairs)] = pairs
-    need = max(max(map(len, distinct.values())), planned_distinct if reserve is not None else 0)
-    n = _pick({c for *_, c, _ in seen}, need, ROW_ALIGN, width)
     out["columns"] = np.zeros((*shape[:3], n), np.int32)
     for row, columns in distinct.items():
         out["columns"][row][:len(columns)] = columns
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
-def _pick(known: set, need: int, align: int, limit: int | None = None) -> int:
-    """The smallest known size holding `need`, else need rounded up to `align` (at most
-    `limit`)."""
-    fresh = _round_up(max(need, 1), align)
-    return min([c for c in known if c >= need] or [fresh if limit is None else min(limit, fresh)])
+def _compiled_widths(seen, needs: tuple, width: int, planned: bool) -> tuple[int, ...]:
+    """(K, KM, N, W) for a shape: the compiled tuple (`seen`) holding every need that
+    computes least, else fresh widths (K and N rounded up to ROW_ALIGN, K to R / 4 steps
+    when not planned; W to PAIR_ALIGN). One tuple, never a mix: a K of one compiled step
+    and an N of another would be a new program."""
+    holding = [t for t in seen if all(c >= need for c, need in zip(t, needs))]
+    if holding:
+        return min(holding, key=lambda t: (t[2], t[0], t[3], t[1]))
+    scored, km, distinct, pairs = needs
+    step = ROW_ALIGN if planned else max(ROW_ALIGN, width // 4)
+    return (min(width, _round_up(max(scored, 1), step)), km,
+            min(width, _round_up(max(distinct, 1), ROW_ALIGN)),
+            _round_up(max(pairs, 1), PAIR_ALIGN))
 
 
 def _member_stats(prefix: int, prompt, n: int, p: int, earlier: list) -> tuple[int, ...]:
