@@ -206,6 +206,34 @@ def test_a_stuck_environment_times_out_alone():
     assert_clean(engine)
 
 
+def test_an_answer_in_time_is_not_timed_out_by_a_busy_engine(monkeypatch):
+    """env_timeout judges when the environment answered, not when the engine got to the
+    answer: task 1's environment answers in 0.05 s of its 0.3 s, while the engine is inside
+    a 0.6 s decode chunk of task 0's next turn (a compile, a loaded machine), and its
+    episodes still finish. Before, the deadline was checked ahead of the answers waiting
+    in the queue and ended them (a flaky CI failure of test_episodes_stateful)."""
+    from jaxrl_cache.rollout import runner
+    decode = runner.Runner.decode
+
+    def slow_decode(self, *args, **kwargs):
+        time.sleep(0.6)
+        return decode(self, *args, **kwargs)
+
+    class Late(TokenEnv):
+        def step(self, action):
+            if self.task == TASKS[1]:
+                time.sleep(0.05)
+            return super().step(action)
+
+    monkeypatch.setattr(runner.Runner, "decode", slow_decode)
+    engine = make_engine()
+    batch = engine.rollout_episodes(PARAMS[0], 0, TASKS, Late, GREEDY,
+                                    rng=jax.random.key(0), env_timeout=0.3)
+    assert [e.finish_reason for e in batch.episodes] == ["done"] * 4, \
+        [e.error for e in batch.episodes]
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("observation_value, message", [
     ([99], "token ids"), ("text", "tokenizer"), (3.5, "text or token ids")])
 def test_invalid_observations_are_episode_errors(observation_value, message):

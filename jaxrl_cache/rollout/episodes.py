@@ -122,8 +122,8 @@ class Driver:
         ticket = self._tickets[e]
         if self.timeout is not None:
             self._deadlines[e] = time.perf_counter() + self.timeout
-        self._pool.submit(_timed, fn, *args,
-                          done=lambda answer: self._answers.put((e, ticket, answer)))
+        self._pool.submit(_timed, fn, *args, done=lambda answer: self._answers.put(
+            (e, ticket, answer, time.perf_counter())))  # when it answered: vs its deadline
 
     def _expire(self) -> None:
         """Ends the episodes whose environment call passed its deadline; their answers, if
@@ -196,16 +196,20 @@ class Driver:
                 seen, quiet = self._answers.qsize(), time.perf_counter() + GATHER_S
 
     def ready(self) -> list[scheduler.Request]:
-        """Collects every answer so far; the next turns' requests, in arrival order."""
+        """Collects every answer so far; the next turns' requests, in arrival order. A call
+        is judged by when it answered, not by when this thread got to its answer (a long
+        decode chunk or compile in between times out nothing), then the calls still out
+        past their deadline are ended."""
         out = []
-        self._expire()
         while True:
             try:
-                e, ticket, answer = self._answers.get_nowait()
+                e, ticket, answer, answered = self._answers.get_nowait()
             except queue.Empty:
-                return out
+                break
             if ticket != self._tickets[e]:
                 continue  # the call timed out before it answered: already ended
+            if answered > self._deadlines.get(e, answered):
+                continue  # answered too late: `_expire` ends it below
             self.pending -= 1
             self._deadlines.pop(e, None)
             st = self.states[e]
@@ -218,6 +222,8 @@ class Driver:
                 self._next(e, st, *value)
             if request is not None:
                 out.append(request)
+        self._expire()
+        return out
 
     def _first(self, e: int, st: _State, env, ids: tuple) -> scheduler.Request | None:
         st.env, st.prompt, st.history = env, ids, list(ids)
