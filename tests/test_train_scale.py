@@ -301,15 +301,15 @@ def test_scored_columns_score_only_those_positions():
     weights = np.zeros((2, 3, 40), np.float32)
     weights[0, 1, [3, 4, 9]] = 0.5
     weights[1, 2, 30:40] = 1.0
-    cols = scored_columns(weights)
-    assert cols.shape == (2, 3, 32)  # 10 at most, rounded up to 32 (at most R = 40)
+    cols = scored_columns(weights, 32)
+    assert cols.shape == (2, 3, 32)
     assert cols[0, 1, :4].tolist() == [3, 4, 9, 40] and (cols[0, 0] == 40).all()
     assert cols[1, 2, :10].tolist() == list(range(30, 40))
-    # a K compiled before that holds the rows is reused (smallest such); too small ones not
-    wide = scored_columns(weights, known={40, 12})
-    assert wide.shape == (2, 3, 12) and wide[1, 2, :10].tolist() == list(range(30, 40))
-    assert (wide == cols[..., :12]).all()
-    assert scored_columns(weights, known={8}).shape == (2, 3, 32)
+    narrow = scored_columns(weights, 10)  # as few as the fullest row
+    assert (narrow == cols[..., :10]).all()
+    for k in (9, 41):  # fewer than a row scores, more than R
+        with pytest.raises(ValueError, match="scored columns"):
+            scored_columns(weights, k)
     params, sp = varied_params(3), SamplingParams(temperature=0.8)
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(1, CONFIG.vocab_size, (3, 40)), jnp.int32)

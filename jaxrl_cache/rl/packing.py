@@ -366,11 +366,12 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     for (*row, _), blocks in tiles.items():
         row_pairs[tuple(row)] = row_pairs.get(tuple(row), 0) + -(-len(blocks) // per)
     scored = int((out["weights"] > 0).sum(-1).max(initial=0))
-    planned = reserve is not None  # planned bounds hold any sampled layout's
-    k, km, n, w = widths(max(scored, most if planned else 0),
-                         max(max(map(len, distinct.values())), planned_distinct if planned else 0),
+    reserved = reserve is not None  # the planned bounds hold any sampled layout's
+    k, km, n, w = widths(max(scored, most if reserved else 0),
+                         max(max(map(len, distinct.values())),
+                             planned_distinct if reserved else 0),
                          max(max(row_pairs.values(), default=0), planned_pairs))
-    out["scored"] = scored_columns(out["weights"], {k})
+    out["scored"] = scored_columns(out["weights"], k)
     out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
@@ -524,18 +525,15 @@ def _shared_prompt(prompt: np.ndarray, earlier: list) -> tuple[int, np.ndarray |
     return best, index
 
 
-def scored_columns(weights: np.ndarray, known=(), at_least: int = 0) -> np.ndarray:
-    """weights f32 [..., R] -> int32 [..., K]: each row's columns with weight > 0 in order,
-    padded with R. K: the smallest of `known` (K compiled before with this shape) that holds
-    the most any row has (or `at_least`, a planned bound), else that count rounded up to a
-    multiple of max(ROW_ALIGN, R / 4) (at most four shapes per row length; ROW_ALIGN alone
-    when planned: the bound does not move with the sampled lengths), at most R. A known K
-    costs no compile; only the LM head computes its padding columns."""
+def scored_columns(weights: np.ndarray, k: int) -> np.ndarray:
+    """weights f32 [..., R] -> int32 [..., k]: each row's columns with weight > 0 in order,
+    padded with R (only the LM head computes the padding). k (`_compiled_widths`' K) must
+    hold the most any row has."""
     width = weights.shape[-1]
     keep = weights > 0
-    most = min(width, max(int(keep.sum(-1).max(initial=0)), at_least))
-    step = ROW_ALIGN if at_least else max(ROW_ALIGN, width // 4)
-    k = min([c for c in known if c >= most] or [min(width, max(1, _round_up(most, step)))])
+    most = int(keep.sum(-1).max(initial=0))
+    if not most <= k <= width:
+        raise ValueError(f"k={k} must hold a row's {most} scored columns, at most R={width}")
     # stable sort puts each row's kept columns first, in order; the rest become R
     order = np.argsort(~keep, axis=-1, kind="stable")[..., :k]
     return np.where(np.take_along_axis(keep, order, -1), order, width).astype(np.int32)
