@@ -436,33 +436,37 @@ def _row_stats(units, part, sequences, prompt_lengths, counts) -> tuple[int, ...
 def _dense_units(sequences, prompt_lengths, part, groups, bounds: tuple) -> list:
     """The part's units at the sampled lengths, each within `bounds` (a group's prefix + as
     many members as fit, longest first, as `_units`): [(unit, its stats)]."""
+    sampled = [len(s) for s in sequences]
     units, grouped = [], set()
-    within = lambda total: all(t <= b for t, b in zip(total, bounds))  # noqa: E731
-    single = lambda i: _unit_stats((0, (i,)), part, sequences, prompt_lengths,  # noqa: E731
-                                   [len(s) for s in sequences])
+
+    def close(prefix, chunk, total):  # a unit of one member is the whole sequence
+        unit = (prefix, tuple(chunk)) if len(chunk) > 1 else (0, tuple(chunk))
+        units.append((unit, total if len(chunk) > 1 else
+                      _unit_stats(unit, part, sequences, prompt_lengths, sampled)))
+
     for prefix, members in groups:
         grouped.update(map(int, members))
-        order = sorted(map(int, members), key=lambda i: -len(sequences[int(part[i])]))
         start = (prefix, prefix, 0, _pair_count(0, prefix))
         chunk, total, earlier = [], start, []
-        for local in order:
+        for local in sorted(map(int, members), key=lambda i: -sampled[int(part[i])]):
             i = int(part[local])
             p = int(prompt_lengths[i]) - prefix
             prompt = np.asarray(sequences[i])[prefix:prefix + p]
-            add = _member_stats(prefix, prompt, len(sequences[i]) - prefix, p, earlier)
-            grown = tuple(map(sum, zip(total, add)))
-            if chunk and not within(grown):
-                units.append(((prefix, tuple(chunk)), total) if len(chunk) > 1
-                             else ((0, tuple(chunk)), single(chunk[0])))
-                earlier = []
-                add = _member_stats(prefix, prompt, len(sequences[i]) - prefix, p, earlier)
-                chunk, grown = [], tuple(map(sum, zip(start, add)))
+            grown = tuple(map(sum, zip(total, _member_stats(prefix, prompt, sampled[i] - prefix,
+                                                            p, earlier))))
+            if chunk and not all(t <= b for t, b in zip(grown, bounds)):
+                close(prefix, chunk, total)
+                chunk, earlier = [], []
+                grown = tuple(map(sum, zip(start, _member_stats(prefix, prompt,
+                                                                sampled[i] - prefix, p, []))))
             chunk.append(local)
             earlier.append((prompt, None))
             total = grown
-        units.append(((prefix, tuple(chunk)), total) if len(chunk) > 1
-                     else ((0, tuple(chunk)), single(chunk[0])))
-    return units + [((0, (i,)), single(i)) for i in range(len(part)) if i not in grouped]
+        close(prefix, chunk, total)
+    for local in range(len(part)):
+        if local not in grouped:
+            close(0, [local], None)
+    return units
 
 
 def _dense_rows(sequences, prompt_lengths, parts, groups, bounds: tuple, room: int):
