@@ -3,8 +3,9 @@ compute.
 
 RMSNorm, rotary embeddings (Llama "rotate half" layout, optional linear/llama3 scaling), GQA,
 SwiGLU, optional q/k/v and output-projection biases, optional per-head q/k RMSNorm, tied or
-untied embeddings. Weights are stored [in, out] so x @ w, blocks stacked on a leading
-[n_layers] axis and run by one lax.scan (`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
+untied embeddings. Weights are stored [out, in] as Hugging Face's Linear (x @ w.T,
+`models.dense`), blocks stacked on a leading [n_layers] axis and run by one lax.scan
+(`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
 `forward` (training, audit) and the paged `prefill_forward` / `decode_forward` (rollout).
 Params are always arguments, never closed over, so new weights never recompile.
 """
@@ -44,18 +45,18 @@ class DecoderLayers(nnx.Module):
             return nnx.Param(jnp.full((n, *shape), value, dtype))
 
         self.attn_norm = const(1, d)
-        self.wq, self.wk, self.wv = param(normal, d, hq * hd), param(normal, d, hkv * hd), \
-            param(normal, d, hkv * hd)
+        self.wq, self.wk, self.wv = param(normal, hq * hd, d), param(normal, hkv * hd, d), \
+            param(normal, hkv * hd, d)
         if config.qkv_bias:
             self.bq, self.bk, self.bv = const(0, hq * hd), const(0, hkv * hd), const(0, hkv * hd)
         if config.qk_norm:
             self.q_norm, self.k_norm = const(1, hd), const(1, hd)
-        self.wo = param(out, hq * hd, d)
+        self.wo = param(out, d, hq * hd)
         if config.out_bias:
             self.bo = const(0, d)
         self.mlp_norm = const(1, d)
-        self.w_gate, self.w_up = param(normal, d, config.d_ff), param(normal, d, config.d_ff)
-        self.w_down = param(out, config.d_ff, d)
+        self.w_gate, self.w_up = param(normal, config.d_ff, d), param(normal, config.d_ff, d)
+        self.w_down = param(out, d, config.d_ff)
 
 
 class DecoderLM(nnx.Module):
@@ -74,7 +75,7 @@ class DecoderLM(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
         if not config.tie_embeddings:
-            self.lm_head = nnx.Param(normal(rngs.params(), (config.d_model, config.vocab_size),
+            self.lm_head = nnx.Param(normal(rngs.params(), (config.vocab_size, config.d_model),
                                             dtype))
 
     def params(self) -> dict:
@@ -142,9 +143,8 @@ def _mlp(layer, h, scale):
 def lm_logits(params, config, x):
     """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
-    if config.tie_embeddings:
-        return dense(x, params["embed"], jnp.float32, w_rows_out=True)
-    return dense(x, params["lm_head"], jnp.float32)
+    head = params["embed"] if config.tie_embeddings else params["lm_head"]  # [V, d_model]
+    return dense(x, head, jnp.float32)
 
 
 REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is recomputed)
