@@ -27,6 +27,13 @@ from kernels_pallas.blocked import (KEY_BLOCK, TILE, all_items, blocked_attentio
                                     gathered_attention, tree_sum)
 
 
+def _drawn(init, key, shape, dtype):
+    """A weight of `shape` [..., out, in], its values drawn in [..., in, out] order and
+    transposed: a seed gives the model it gave when weights were stored [in, out], so
+    seeded tests and recorded runs keep their meaning."""
+    return jnp.swapaxes(init(key, (*shape[:-2], shape[-1], shape[-2]), dtype), -1, -2)
+
+
 class DecoderLayers(nnx.Module):
     """All pre-norm blocks, stacked: every weight has a leading [n_layers] axis so the
     forwards run the blocks with one `lax.scan` (compile time independent of depth)."""
@@ -38,8 +45,8 @@ class DecoderLayers(nnx.Module):
         normal = nnx.initializers.normal(0.02)
         out = nnx.initializers.normal(0.02 / (2 * n) ** 0.5)  # residual scaling
 
-        def param(init, *shape):
-            return nnx.Param(init(rngs.params(), (n, *shape), dtype))
+        def param(init, d_out, d_in):  # [n, out, in], drawn as [n, in, out] (see `_drawn`)
+            return nnx.Param(_drawn(init, rngs.params(), (n, d_out, d_in), dtype))
 
         def const(value, *shape):
             return nnx.Param(jnp.full((n, *shape), value, dtype))
@@ -75,8 +82,8 @@ class DecoderLM(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
         if not config.tie_embeddings:
-            self.lm_head = nnx.Param(normal(rngs.params(), (config.vocab_size, config.d_model),
-                                            dtype))
+            self.lm_head = nnx.Param(_drawn(normal, rngs.params(),
+                                            (config.vocab_size, config.d_model), dtype))
 
     def params(self) -> dict:
         """The weights as a plain pytree; params["layers"] is a dict of [n_layers, ...] arrays."""

@@ -89,8 +89,9 @@ def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict
         d_in, d_out = shapes[HF_NAMES[target]]
         bound = 1.0 / math.sqrt(d_in)
         out[HF_NAMES[target]] = {
-            "a": jax.random.uniform(k, (n, lora.rank, d_in), jnp.float32, -bound,
-                                    bound).astype(dtype),
+            # drawn [in, rank] and transposed: a seed gives the adapters it gave before
+            "a": jnp.swapaxes(jax.random.uniform(k, (n, d_in, lora.rank), jnp.float32, -bound,
+                                                 bound), -1, -2).astype(dtype),
             "b": jnp.zeros((n, d_out, lora.rank), dtype)}
     return out
 
