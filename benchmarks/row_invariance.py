@@ -2,17 +2,15 @@
 
 Exact numerics (docs/DESIGN.md, "Exact numerics") need every weight matmul to be
 batch-invariant: a token row's result may not depend on how many rows share the call (the
-sampler decodes 64 rows, the trainer packs 4,096). XLA:CPU's dots have that property from
-2 rows up with the weight stored [N, K] (the model's layout); the first H200 check found
-XLA:GPU's do not. This probe answers, per XLA flag set, which formulation keeps a row's
-bits on the device it runs on:
+sampler decodes 64 rows, the trainer packs 4,096). XLA:CPU's dots have that property at
+these shapes; the first H200 check found XLA:GPU's do not. This probe answers, per XLA flag
+set, which formulation keeps a row's bits on the device it runs on:
 
 - `plain`: x [M, K] @ w [K, N];
-- `out-in`: x [M, K] against w [N, K] (contracting w's last axis: the model's layout);
 - `tiled`: rows padded to a multiple of TILE and computed as one batched dot of
   [M / TILE, TILE, K] against w broadcast over the tiles (every row goes through a
   TILE-row problem, if XLA keeps the batch);
-- `kernel`: `kernels_pallas.matmul.tiled_matmul` (w [N, K]), the fixed-tile Pallas program that
+- `kernel`: `kernels_pallas.matmul.tiled_matmul`, the fixed-tile Pallas program that
   JAXRL_CACHE_KERNELS=pallas routes the model's projections through (GPU only: on CPU its
   interpret mode is the XLA:CPU dot again).
 
@@ -49,14 +47,10 @@ def probe() -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    def plain(x, w, w_out_in):
+    def plain(x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    def out_in(x, w, w_out_in):
-        return jax.lax.dot_general(x, w_out_in, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-
-    def tiled(x, w, w_out_in):
+    def tiled(x, w):
         m, k = x.shape
         pad = -m % TILE
         xt = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, TILE, k)
@@ -65,23 +59,21 @@ def probe() -> list[dict]:
                                   preferred_element_type=jnp.float32)
         return out.reshape(-1, w.shape[1])[:m]
 
-    forms = [("plain", plain), ("out-in", out_in), ("tiled", tiled)]
+    forms = [("plain", plain), ("tiled", tiled)]
     if jax.default_backend() == "gpu":
         from kernels_pallas.matmul import tiled_matmul
-        forms.append(("kernel", lambda x, w, w_out_in: tiled_matmul(x, w_out_in)))
+        forms.append(("kernel", tiled_matmul))
     rng = np.random.default_rng(0)
     rows = []
     for k, n in SHAPES:
         for dtype in ("float32", "bfloat16"):
             x_all = jnp.asarray(rng.standard_normal((max(ROWS), k)), dtype)
-            w_host = rng.standard_normal((k, n)) / np.sqrt(k)
-            w = jnp.asarray(w_host, dtype)
-            w_out_in = jnp.asarray(np.ascontiguousarray(w_host.T), dtype)  # laid out [N, K]
+            w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
             for name, fn in forms:
                 f = jax.jit(fn)
-                want = np.asarray(f(x_all, w, w_out_in))
-                differ = [m for m in ROWS[:-1] if not np.array_equal(
-                    np.asarray(f(x_all[:m], w, w_out_in)), want[:m])]
+                want = np.asarray(f(x_all, w))
+                differ = [m for m in ROWS[:-1]
+                          if not np.array_equal(np.asarray(f(x_all[:m], w)), want[:m])]
                 rows.append(dict(formulation=name, dtype=dtype, shape=f"{k}x{n}",
                                  rows_tried=list(ROWS[:-1]), rows_with_other_bits=differ,
                                  invariant=not differ))

@@ -80,7 +80,7 @@ def _dense_decode_loop(config, steps):
                 valid = jnp.arange(k_all.shape[1])[None, :] <= pos[:, None]
                 p = jax.nn.softmax(jnp.where(valid[:, None], s, -jnp.inf), axis=-1)
                 attn = jnp.einsum("bhs,bshd->bhd", p, vr).reshape(x.shape[0], 1, -1)
-                x = x + attn @ layer["wo"].T  # [out, in]
+                x = x + attn @ layer["wo"]
                 x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
                 new_cache.append((k_all, v_all))
             key, sub = jax.random.split(key)

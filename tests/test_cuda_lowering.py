@@ -104,15 +104,18 @@ def test_lowering_rejects_too_small_dot(exact):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("k,n", [(576, 1536), (576, 49152), (40, 24)])
-def test_the_tiled_matmul_lowers_to_one_triton_kernel(dtype, k, n):
+@pytest.mark.parametrize("k,n,rows_out", [(576, 1536, False), (576, 49152, True),
+                                          (40, 24, False)])
+def test_the_tiled_matmul_lowers_to_one_triton_kernel(dtype, k, n, rows_out):
     """models.dense on a GPU under JAXRL_CACHE_KERNELS=pallas (SmolLM2's projection and
     tied head, and a shape that needs padding); forward and the XLA backward."""
-    def loss(x, w):  # w [out, in]
-        return tiled_matmul(x, w).sum()
+    w_shape = (n, k) if rows_out else (k, n)
+
+    def loss(x, w):
+        return tiled_matmul(x, w, w_rows_out=rows_out).sum()
 
     text = lower_for_cuda(jax.value_and_grad(loss, (0, 1)), jax.ShapeDtypeStruct((100, k), dtype),
-                          jax.ShapeDtypeStruct((n, k), dtype))
+                          jax.ShapeDtypeStruct(w_shape, dtype))
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "tiled_matmul" in text
 

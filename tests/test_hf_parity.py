@@ -76,11 +76,15 @@ def test_top_k_then_top_p_matches_transformers_warpers():
                                    err_msg=key)
 
 
-@pytest.mark.parametrize("pair", [("w_gate", "w_up"), ("wq", "wo")])
-def test_negative_control_a_wrong_mapping_fails(monkeypatch, pair):
-    """Two same-shape weights swapped (q_proj and o_proj are square here: 4 heads x 8 = 32
-    = hidden) load without a shape error, and parity catches it."""
-    table = dict(hf.LAYER_WEIGHTS)
-    table[pair[0]], table[pair[1]] = table[pair[1]], table[pair[0]]
-    monkeypatch.setattr(hf, "LAYER_WEIGHTS", tuple(table.items()))
+@pytest.mark.parametrize("wrong", ["swap_gate_up", "untransposed_o_proj"])
+def test_negative_control_a_wrong_mapping_fails(monkeypatch, wrong):
+    table = list(hf.LAYER_WEIGHTS)
+    names = [ours for ours, _, _ in table]
+    if wrong == "swap_gate_up":
+        g, u = names.index("w_gate"), names.index("w_up")
+        table[g], table[u] = (("w_gate",) + table[u][1:]), (("w_up",) + table[g][1:])
+    else:  # o_proj is square here (4 heads x 8 = 32 = hidden), so shapes still fit
+        o = names.index("wo")
+        table[o] = table[o][:2] + (False,)
+    monkeypatch.setattr(hf, "LAYER_WEIGHTS", tuple(table))
     assert dense_error("qwen2") > 100 * TOL

@@ -25,16 +25,16 @@ RNG = np.random.default_rng(0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("k,n", [(96, 80), (64, 48), (40, 24)])
-def test_tiled_matmul_is_a_matmul_whose_rows_ignore_the_batch(dtype, k, n):
+@pytest.mark.parametrize("k,n,rows_out", [(96, 80, False), (64, 48, True), (40, 24, False)])
+def test_tiled_matmul_is_a_matmul_whose_rows_ignore_the_batch(dtype, k, n, rows_out):
     """Right against float64 numpy (K and N that need zero padding included), and each row
     has the same bits alone, among a few rows, or among more than two tiles of rows."""
     x = jnp.asarray(RNG.standard_normal((2 * BLOCK_M + 5, k)), dtype)
-    w = jnp.asarray(RNG.standard_normal((n, k)), dtype)  # [out, in]
-    f = jax.jit(lambda x, w: tiled_matmul(x, w, backend="interpret"))
+    w = jnp.asarray(RNG.standard_normal((n, k) if rows_out else (k, n)), dtype)
+    f = jax.jit(lambda x, w: tiled_matmul(x, w, w_rows_out=rows_out, backend="interpret"))
     full = np.asarray(f(x, w))
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    np.testing.assert_allclose(full, x64 @ w64.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(full, x64 @ (w64.T if rows_out else w64), rtol=1e-5, atol=1e-4)
     for rows in (1, 3, 17, BLOCK_M, BLOCK_M + 1):
         np.testing.assert_array_equal(np.asarray(f(x[:rows], w)), full[:rows])
 
@@ -48,44 +48,51 @@ def test_tile_sizes_depend_on_the_weight_alone():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_column_slice_tiled_as_its_whole_weight_keeps_its_bits(dtype):
-    """A tensor-parallel shard's output rows (`columns`: the whole weight's N) get the bits
-    of the whole product, whether its slices are whole tiles (256 = 2 x 128) or cut them
-    (64 of a 128-wide tile: zero-padded to the whole tile)."""
+    """A tensor-parallel shard's columns (`columns`: the whole weight's N) get the bits of
+    the whole product, whether its slices are whole tiles (256 = 2 x 128) or cut them
+    (64 of a 128-wide tile: zero-padded to the whole tile) and for the tied-head layout."""
     k, n = 96, 256
     x = jnp.asarray(RNG.standard_normal((5, k)), dtype)
-    w = jnp.asarray(RNG.standard_normal((n, k)), dtype)  # [out, in]
+    w = jnp.asarray(RNG.standard_normal((k, n)), dtype)
     f = jax.jit(lambda x, w, cols: tiled_matmul(x, w, backend="interpret", columns=cols),
                 static_argnums=2)
     full = np.asarray(f(x, w, None))
     for width in (128, 64):
         for start in range(0, n, width):
-            np.testing.assert_array_equal(np.asarray(f(x, w[start:start + width], n)),
+            np.testing.assert_array_equal(np.asarray(f(x, w[:, start:start + width], n)),
                                           full[:, start:start + width])
-    # 576 outputs (64-wide tiles) in four 144-row slices: slices start mid-tile
-    w576 = jnp.asarray(RNG.standard_normal((576, k)), dtype)
+    # 576 columns (64-wide tiles) in four 144-column slices: slices start mid-tile
+    w576 = jnp.asarray(RNG.standard_normal((k, 576)), dtype)
     full576 = np.asarray(f(x, w576, None))
     for start in range(0, 576, 144):
-        np.testing.assert_array_equal(np.asarray(f(x, w576[start:start + 144], 576)),
+        np.testing.assert_array_equal(np.asarray(f(x, w576[:, start:start + 144], 576)),
                                       full576[:, start:start + 144])
+    wt = w.T  # [N, K]
+    g = jax.jit(lambda x, w, cols: tiled_matmul(x, w, w_rows_out=True, backend="interpret",
+                                                columns=cols), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(g(x, wt[64:128], n)),
+                                  np.asarray(g(x, wt, None))[:, 64:128])
     with pytest.raises(ValueError, match="fewer than"):
         tiled_matmul(x, w, backend="interpret", columns=n - 1)
 
 
 def test_tiled_matmul_gradients_are_the_matmuls():
     x = jnp.asarray(RNG.standard_normal((5, 40)), jnp.float32)
-    w = jnp.asarray(RNG.standard_normal((24, 40)), jnp.float32)  # [out, in]
-    got = jax.grad(lambda x, w: (tiled_matmul(x, w, backend="interpret") ** 2).sum(),
-                   (0, 1))(x, w)
-    want = jax.grad(lambda x, w: ((x @ w.T) ** 2).sum(), (0, 1))(x, w)
-    for g, h in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-4)
+    for rows_out in (False, True):
+        w = jnp.asarray(RNG.standard_normal((24, 40) if rows_out else (40, 24)), jnp.float32)
+        plain = (lambda x, w: x @ w.T) if rows_out else (lambda x, w: x @ w)
+        got = jax.grad(lambda x, w: (tiled_matmul(x, w, w_rows_out=rows_out,
+                                                  backend="interpret") ** 2).sum(), (0, 1))(x, w)
+        want = jax.grad(lambda x, w: (plain(x, w) ** 2).sum(), (0, 1))(x, w)
+        for g, h in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-4)
 
 
 def test_tiled_matmul_refuses_bad_input():
     with pytest.raises(ValueError, match="backend"):
-        tiled_matmul(jnp.ones((2, 3)), jnp.ones((4, 3)), backend="xla")
+        tiled_matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), backend="xla")
     with pytest.raises(ValueError, match="contract"):
-        tiled_matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), backend="interpret")
+        tiled_matmul(jnp.ones((2, 3)), jnp.ones((4, 5)), backend="interpret")
 
 
 def _logits(rows: int, vocab: int, seed: int = 0):
@@ -183,7 +190,7 @@ def test_jitted_entry_points_keep_a_program_per_setting(monkeypatch):
 
     f = kernel_keyed_jit(project)
     x = jnp.asarray(RNG.standard_normal((3, 40)), jnp.float32)
-    w = jnp.asarray(RNG.standard_normal((24, 40)), jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((40, 24)), jnp.float32)
     jaxpr = lambda: str(f.trace(x, w).jaxpr)
     for setting in ("xla", "interpret", "xla", "interpret"):
         monkeypatch.setenv(KERNELS_ENV, setting)

@@ -75,8 +75,8 @@ def test_adapter_forward_equals_the_merged_weights_forward(base, targets):
     # the dense reference: W + scale * A B, merged in numpy (float64)
     merged = jax.tree.map(np.asarray, base)
     for name, ab in model["layers"]["lora"].items():
-        delta = np.einsum("lor,lri->loi", np.asarray(ab["b"], np.float64),
-                          np.asarray(ab["a"], np.float64)) * cfg.scale
+        delta = np.einsum("lir,lro->lio", np.asarray(ab["a"], np.float64),
+                          np.asarray(ab["b"], np.float64)) * cfg.scale
         merged["layers"][name] = (merged["layers"][name] + delta).astype(np.float32)
     tokens = _tokens(1)
     got, want = forward(model, CONFIG, tokens), forward(merged, CONFIG, tokens)
@@ -137,11 +137,11 @@ def test_gradients_flow_to_the_adapters_only(base):
             **base["layers"], "wq": wq}}, CONFIG, tokens))[..., 0])
 
     a, b = adapters["wq"]["a"], adapters["wq"]["b"]
-    g_w = jax.grad(merged_loss)(base["layers"]["wq"] + cfg.scale * jnp.einsum("lor,lri->loi",
-                                                                                b, a))
-    np.testing.assert_allclose(grads["wq"]["a"], cfg.scale * jnp.einsum("lor,loi->lri", b, g_w),
+    g_w = jax.grad(merged_loss)(base["layers"]["wq"] + cfg.scale * jnp.einsum("lir,lro->lio",
+                                                                                a, b))
+    np.testing.assert_allclose(grads["wq"]["a"], cfg.scale * jnp.einsum("lio,lro->lir", g_w, b),
                                rtol=1e-3, atol=1e-6)
-    np.testing.assert_allclose(grads["wq"]["b"], cfg.scale * jnp.einsum("loi,lri->lor", g_w, a),
+    np.testing.assert_allclose(grads["wq"]["b"], cfg.scale * jnp.einsum("lir,lio->lro", a, g_w),
                                rtol=1e-3, atol=1e-6)
 
 
@@ -173,7 +173,7 @@ def test_sync_moves_only_the_adapters_and_refuses_another_base(base):
     with pytest.raises(ValueError, match="different base model"):
         engine.sync_weights(foreign.model_params, 3)
     assert engine.version == 2  # nothing changed
-    bad = dict(state.params, wq={"a": state.params["wq"]["a"][:, :2],
+    bad = dict(state.params, wq={"a": state.params["wq"]["a"][..., :2],
                                  "b": state.params["wq"]["b"]})
     with pytest.raises(ValueError, match="share one rank|needs"):
         engine.sync_weights(state.replace(params=bad).model_params, 3)

@@ -79,10 +79,10 @@ def test_peft_adapter_directory_round_trips_to_our_adapters(tmp_path):
         for i in range(LLAMA.n_layers):
             key = f"base_model.model.model.layers.{i}.{MODULES[name]}"
             a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
-            assert a.shape == (4, ab["a"].shape[2]) and b.shape == (ab["b"].shape[1], 4)
+            assert a.shape == (4, ab["a"].shape[1]) and b.shape == (ab["b"].shape[2], 4)
             assert a.dtype == b.dtype == np.float32
-            np.testing.assert_array_equal(a, np.asarray(ab["a"][i]))
-            np.testing.assert_array_equal(b, np.asarray(ab["b"][i]))
+            np.testing.assert_array_equal(a.T, np.asarray(ab["a"][i]))
+            np.testing.assert_array_equal(b.T, np.asarray(ab["b"][i]))
 
 
 def test_a_lora_train_state_exports_its_adapters_and_mismatches_are_refused(tmp_path):
@@ -98,7 +98,7 @@ def test_a_lora_train_state_exports_its_adapters_and_mismatches_are_refused(tmp_
     tensors, _ = read_safetensors(tmp_path / "a" / ADAPTER_WEIGHTS)
     assert len(tensors) == 2 * 2 * QWEN2.n_layers
     np.testing.assert_array_equal(
-        tensors[f"{PREFIX}model.layers.1.self_attn.v_proj.lora_B.weight"],
+        tensors[f"{PREFIX}model.layers.1.self_attn.v_proj.lora_B.weight"].T,
         np.asarray(state.params["wv"]["b"][1]))
     full = TrainState.create(base, config=QWEN2)
     with pytest.raises(ValueError, match="trains the full model"):

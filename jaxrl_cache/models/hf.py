@@ -18,8 +18,8 @@ the single file, an older save's loader the index). tie_word_embeddings with a d
 lm_head.weight in the file is refused too: transformers versions disagree on which head
 that checkpoint means (4.x ties and drops the file's head, 5.x keeps it).
 
-Weights move by the name tables below (ours, Hugging Face name) as they are: ours are
-stored [out, in] like HF Linear weights, and no rotary permutation is needed (both use the
+Weights move by the name tables below (ours, Hugging Face name, transposed?): HF Linear
+weights are [out, in], ours [in, out]; no rotary permutation is needed (both use the
 rotate-half layout). Import reads safetensors through numpy (memory-mapped, no torch) and
 fills each stacked [n_layers, ...] leaf directly in the target dtype.
 """
@@ -41,29 +41,29 @@ from jaxrl_cache.models.config import ModelConfig, RopeScaling
 from jaxrl_cache.models.llama import init_params
 from jaxrl_cache.models.lora import ADAPTERS, SCALE
 
-# (our name in params["layers"], HF name under "model.layers.{i}.")
+# (our name in params["layers"], HF name under "model.layers.{i}.", HF weight is [out, in])
 LAYER_WEIGHTS = (
-    ("attn_norm", "input_layernorm.weight"),
-    ("wq", "self_attn.q_proj.weight"),
-    ("wk", "self_attn.k_proj.weight"),
-    ("wv", "self_attn.v_proj.weight"),
-    ("bq", "self_attn.q_proj.bias"),
-    ("bk", "self_attn.k_proj.bias"),
-    ("bv", "self_attn.v_proj.bias"),
-    ("q_norm", "self_attn.q_norm.weight"),
-    ("k_norm", "self_attn.k_norm.weight"),
-    ("wo", "self_attn.o_proj.weight"),
-    ("bo", "self_attn.o_proj.bias"),
-    ("mlp_norm", "post_attention_layernorm.weight"),
-    ("w_gate", "mlp.gate_proj.weight"),
-    ("w_up", "mlp.up_proj.weight"),
-    ("w_down", "mlp.down_proj.weight"),
+    ("attn_norm", "input_layernorm.weight", False),
+    ("wq", "self_attn.q_proj.weight", True),
+    ("wk", "self_attn.k_proj.weight", True),
+    ("wv", "self_attn.v_proj.weight", True),
+    ("bq", "self_attn.q_proj.bias", False),
+    ("bk", "self_attn.k_proj.bias", False),
+    ("bv", "self_attn.v_proj.bias", False),
+    ("q_norm", "self_attn.q_norm.weight", False),
+    ("k_norm", "self_attn.k_norm.weight", False),
+    ("wo", "self_attn.o_proj.weight", True),
+    ("bo", "self_attn.o_proj.bias", False),
+    ("mlp_norm", "post_attention_layernorm.weight", False),
+    ("w_gate", "mlp.gate_proj.weight", True),
+    ("w_up", "mlp.up_proj.weight", True),
+    ("w_down", "mlp.down_proj.weight", True),
 )
-# (our top-level name, HF name)
+# (our top-level name, HF name, transposed)
 TOP_WEIGHTS = (
-    ("embed", "model.embed_tokens.weight"),
-    ("final_norm", "model.norm.weight"),
-    ("lm_head", "lm_head.weight"),
+    ("embed", "model.embed_tokens.weight", False),
+    ("final_norm", "model.norm.weight", False),
+    ("lm_head", "lm_head.weight", True),
 )
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM")
@@ -418,12 +418,12 @@ def _weight_file_name(name: str) -> bool:
 
 
 def _hf_names(config: ModelConfig, shapes: dict) -> list[tuple[tuple, str, bool]]:
-    """Every (our path, HF name) the model needs; our path is ("embed",) or
+    """Every (our path, HF name, transposed) the model needs; our path is ("embed",) or
     ("layers", name, i)."""
-    out = [((ours,), hf) for ours, hf in TOP_WEIGHTS if ours in shapes]
+    out = [((ours,), hf, t) for ours, hf, t in TOP_WEIGHTS if ours in shapes]
     for i in range(config.n_layers):
-        out += [(("layers", ours, i), f"model.layers.{i}.{hf}")
-                for ours, hf in LAYER_WEIGHTS if ours in shapes["layers"]]
+        out += [(("layers", ours, i), f"model.layers.{i}.{hf}", t)
+                for ours, hf, t in LAYER_WEIGHTS if ours in shapes["layers"]]
     return out
 
 
@@ -442,34 +442,35 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
     weights, files = _weight_files(path)
     wanted = _hf_names(config, shapes)
-    missing = [hf for _, hf in wanted if hf not in files]
+    missing = [hf for _, hf, _ in wanted if hf not in files]
     if missing:
         raise ModelFileError(f"{path / weights}: missing tensor {missing[0]}"
                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     if ignorable & set(files):
         _check_tied_head(path, files)
-    unused = sorted(set(files) - {hf for _, hf in wanted} - ignorable)
+    unused = sorted(set(files) - {hf for _, hf, _ in wanted} - ignorable)
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:
         raise ModelFileError(f"{path / weights}: tensors the model does not use (unsupported "
                              f"architecture variant?): {unused[:5]}")
     np_dtype = _DTYPES[config.dtype]
     by_leaf: dict[tuple, list] = {}
-    for ours, hf in wanted:
-        by_leaf.setdefault(ours[:2], []).append((ours, hf))
+    for ours, hf, t in wanted:
+        by_leaf.setdefault(ours[:2], []).append((ours, hf, t))
     params: dict = {"layers": {}}
     for leaf, items in by_leaf.items():
         shape = (shapes[leaf[0]] if len(leaf) == 1 else shapes["layers"][leaf[1]]).shape
         buf = np.empty(shape, np_dtype)
-        for ours, hf in items:
+        for ours, hf, t in items:
             # one open per tensor: its mapped pages are released before the next one
             tensor = _read_tensor(files[hf], hf)
+            tensor = tensor.T if t else tensor
             dest = buf if len(ours) == 1 else buf[ours[2]]
             if tensor.shape != dest.shape:
                 raise ModelFileError(f"{files[hf]}: tensor {hf} has shape "
-                                     f"{list(tensor.shape)}; the config needs "
-                                     f"{list(dest.shape)}")
+                                     f"{list(tensor.shape)} (after transpose: {t}); the "
+                                     f"config needs {list(dest.shape)}")
             dest[...] = tensor
             del tensor
         value = jnp.asarray(buf)
@@ -515,9 +516,9 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
     host = jax.tree.map(np.asarray, params)
     shards: list[dict] = [{}]
     size = 0
-    for ours, hf in _hf_names(config, shapes):
+    for ours, hf, t in _hf_names(config, shapes):
         array = host[ours[0]] if len(ours) == 1 else host["layers"][ours[1]][ours[2]]
-        array = np.ascontiguousarray(array.astype(np_dtype))
+        array = np.ascontiguousarray((array.T if t else array).astype(np_dtype))
         if size and size + array.nbytes > max_shard_bytes:
             shards.append({})
             size = 0

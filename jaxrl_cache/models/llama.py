@@ -3,9 +3,8 @@ compute.
 
 RMSNorm, rotary embeddings (Llama "rotate half" layout, optional linear/llama3 scaling), GQA,
 SwiGLU, optional q/k/v and output-projection biases, optional per-head q/k RMSNorm, tied or
-untied embeddings. Weights are stored [out, in] as Hugging Face's Linear (x @ w.T,
-`models.dense`), blocks stacked on a leading [n_layers] axis and run by one lax.scan
-(`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
+untied embeddings. Weights are stored [in, out] so x @ w, blocks stacked on a leading
+[n_layers] axis and run by one lax.scan (`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
 `forward` (training, audit) and the paged `prefill_forward` / `decode_forward` (rollout).
 Params are always arguments, never closed over, so new weights never recompile.
 """
@@ -27,13 +26,6 @@ from kernels_pallas.blocked import (KEY_BLOCK, TILE, all_items, blocked_attentio
                                     gathered_attention, tree_sum)
 
 
-def _drawn(init, key, shape, dtype):
-    """A weight of `shape` [..., out, in], its values drawn in [..., in, out] order and
-    transposed: a seed gives the model it gave when weights were stored [in, out], so
-    seeded tests and recorded runs keep their meaning."""
-    return jnp.swapaxes(init(key, (*shape[:-2], shape[-1], shape[-2]), dtype), -1, -2)
-
-
 class DecoderLayers(nnx.Module):
     """All pre-norm blocks, stacked: every weight has a leading [n_layers] axis so the
     forwards run the blocks with one `lax.scan` (compile time independent of depth)."""
@@ -45,25 +37,25 @@ class DecoderLayers(nnx.Module):
         normal = nnx.initializers.normal(0.02)
         out = nnx.initializers.normal(0.02 / (2 * n) ** 0.5)  # residual scaling
 
-        def param(init, d_out, d_in):  # [n, out, in], drawn as [n, in, out] (see `_drawn`)
-            return nnx.Param(_drawn(init, rngs.params(), (n, d_out, d_in), dtype))
+        def param(init, *shape):
+            return nnx.Param(init(rngs.params(), (n, *shape), dtype))
 
         def const(value, *shape):
             return nnx.Param(jnp.full((n, *shape), value, dtype))
 
         self.attn_norm = const(1, d)
-        self.wq, self.wk, self.wv = param(normal, hq * hd, d), param(normal, hkv * hd, d), \
-            param(normal, hkv * hd, d)
+        self.wq, self.wk, self.wv = param(normal, d, hq * hd), param(normal, d, hkv * hd), \
+            param(normal, d, hkv * hd)
         if config.qkv_bias:
             self.bq, self.bk, self.bv = const(0, hq * hd), const(0, hkv * hd), const(0, hkv * hd)
         if config.qk_norm:
             self.q_norm, self.k_norm = const(1, hd), const(1, hd)
-        self.wo = param(out, d, hq * hd)
+        self.wo = param(out, hq * hd, d)
         if config.out_bias:
             self.bo = const(0, d)
         self.mlp_norm = const(1, d)
-        self.w_gate, self.w_up = param(normal, config.d_ff, d), param(normal, config.d_ff, d)
-        self.w_down = param(out, d, config.d_ff)
+        self.w_gate, self.w_up = param(normal, d, config.d_ff), param(normal, d, config.d_ff)
+        self.w_down = param(out, config.d_ff, d)
 
 
 class DecoderLM(nnx.Module):
@@ -82,8 +74,8 @@ class DecoderLM(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
         if not config.tie_embeddings:
-            self.lm_head = nnx.Param(_drawn(normal, rngs.params(),
-                                            (config.vocab_size, config.d_model), dtype))
+            self.lm_head = nnx.Param(normal(rngs.params(), (config.d_model, config.vocab_size),
+                                            dtype))
 
     def params(self) -> dict:
         """The weights as a plain pytree; params["layers"] is a dict of [n_layers, ...] arrays."""
@@ -150,8 +142,9 @@ def _mlp(layer, h, scale):
 def lm_logits(params, config, x):
     """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
-    head = params["embed"] if config.tie_embeddings else params["lm_head"]  # [V, d_model]
-    return dense(x, head, jnp.float32)
+    if config.tie_embeddings:
+        return dense(x, params["embed"], jnp.float32, w_rows_out=True)
+    return dense(x, params["lm_head"], jnp.float32)
 
 
 REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is recomputed)

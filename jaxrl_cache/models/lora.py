@@ -3,10 +3,8 @@
 A model with adapters is the base param tree with two additions, so every forward (dense,
 paged prefill, paged decode) runs it unchanged and a new adapter state never recompiles:
 
-    params["layers"]["lora"][name] = {"a": [n_layers, rank, in], "b": [n_layers, out, rank]}
+    params["layers"]["lora"][name] = {"a": [n_layers, in, rank], "b": [n_layers, rank, out]}
     params["lora_scale"] = f32 [] (alpha / rank)
-
-A and B are stored [out, in] like the base weights (PEFT's lora_A / lora_B layout).
 
 `attach(frozen, adapters)` builds that tree from the frozen part (the base plus the scale,
 `frozen_part`) and the trainable adapters without copying either. The scale is an array
@@ -82,17 +80,16 @@ def _shapes(config: ModelConfig) -> dict:
 def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:
     """Fresh adapters as PEFT initialises them: A uniform in +-1/sqrt(in) (kaiming-uniform
     with a = sqrt(5)), B zero, so the model starts as the base exactly.
-    Returns {name: {"a": [n_layers, rank, in], "b": [n_layers, out, rank]}} in config.dtype."""
+    Returns {name: {"a": [n_layers, in, rank], "b": [n_layers, rank, out]}} in config.dtype."""
     dtype, n, shapes = jnp.dtype(config.dtype), config.n_layers, _shapes(config)
     out = {}
     for target, k in zip(lora.targets, jax.random.split(key, len(lora.targets))):
         d_in, d_out = shapes[HF_NAMES[target]]
         bound = 1.0 / math.sqrt(d_in)
         out[HF_NAMES[target]] = {
-            # drawn [in, rank] and transposed: a seed gives the adapters it gave before
-            "a": jnp.swapaxes(jax.random.uniform(k, (n, d_in, lora.rank), jnp.float32, -bound,
-                                                 bound), -1, -2).astype(dtype),
-            "b": jnp.zeros((n, d_out, lora.rank), dtype)}
+            "a": jax.random.uniform(k, (n, d_in, lora.rank), jnp.float32, -bound,
+                                    bound).astype(dtype),
+            "b": jnp.zeros((n, lora.rank, d_out), dtype)}
     return out
 
 
@@ -120,7 +117,7 @@ def split(params: dict) -> tuple[dict, dict | None, jax.Array | None]:
 
 def check_adapters(config: ModelConfig, adapters: dict) -> None:
     """Raises ValueError (one line) unless adapters fit the model: known targets, shapes
-    [n_layers, r, in] / [n_layers, out, r] with one rank, the model's dtype."""
+    [n_layers, in, r] / [n_layers, r, out] with one rank, the model's dtype."""
     shapes, dtype = _shapes(config), jnp.dtype(config.dtype)
     ranks = set()
     for name, ab in adapters.items():
@@ -128,9 +125,9 @@ def check_adapters(config: ModelConfig, adapters: dict) -> None:
             raise ValueError(f"LoRA adapter {name!r} must be one of {sorted(shapes)} with "
                              f"'a' and 'b' weights")
         d_in, d_out = shapes[name]
-        rank = ab["a"].shape[-2]
+        rank = ab["a"].shape[-1]
         ranks.add(rank)
-        want = {"a": (config.n_layers, rank, d_in), "b": (config.n_layers, d_out, rank)}
+        want = {"a": (config.n_layers, d_in, rank), "b": (config.n_layers, rank, d_out)}
         for part in ("a", "b"):
             if tuple(ab[part].shape) != want[part] or ab[part].dtype != dtype:
                 raise ValueError(f"LoRA adapter {name}.{part} is {ab[part].dtype}"
@@ -141,8 +138,8 @@ def check_adapters(config: ModelConfig, adapters: dict) -> None:
 
 
 def linear(layer: dict, name: str, x, scale):
-    """x [..., in] against layer[name] [out, in] (x @ w.T), plus scale * B (A x) when `name`
-    has an adapter; batch-invariant like `dense` (scale f32 [], or None without adapters)."""
+    """x [..., in] @ layer[name] [in, out], plus scale * (x A) B when `name` has an adapter;
+    batch-invariant like `dense` (scale f32 [], or None without adapters)."""
     y = dense(x, layer[name])
     adapter = layer.get(ADAPTERS, {}).get(name)
     if adapter is None:
@@ -160,8 +157,8 @@ def merged(params: dict) -> dict:
         return params
     layers = dict(base["layers"])
     for name, ab in adapters.items():
-        delta = jnp.einsum("lor,lri->loi", ab["b"].astype(jnp.float32),
-                           ab["a"].astype(jnp.float32)) * scale
+        delta = jnp.einsum("lir,lro->lio", ab["a"].astype(jnp.float32),
+                           ab["b"].astype(jnp.float32)) * scale
         layers[name] = (layers[name].astype(jnp.float32) + delta).astype(layers[name].dtype)
     return {**base, "layers": layers}
 

@@ -6,8 +6,8 @@
                                [r, in], ...lora_B.weight [out, r] (mlp.gate_proj, ...), in
                                the adapters' dtype
 
-PEFT computes W x + (alpha / r) * B (A x) with torch Linear weights ([out, in]), our layout:
-lora_A is our a[i], lora_B our b[i], and the scale is the same alpha / r (no rsLoRA),
+PEFT computes W x + (alpha / r) * B (A x) with torch Linear weights ([out, in]): lora_A is our
+a[i] transposed, lora_B our b[i] transposed, and the scale is the same alpha / r (no rsLoRA),
 so the adapter on the same base is the same model. The merged model (adapters folded into
 the base) is `hf.save_pretrained(path, config, lora.merged(params))`.
 """
@@ -27,7 +27,7 @@ from jaxrl_cache.models.lora import HF_NAMES, LoraConfig, check_adapters
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel wraps the LoraModel that wraps the transformers model
-_MODULES = {ours: hf[:-len(".weight")] for ours, hf in LAYER_WEIGHTS
+_MODULES = {ours: hf[:-len(".weight")] for ours, hf, _ in LAYER_WEIGHTS
             if ours in HF_NAMES.values()}  # "wq" -> "self_attn.q_proj"
 
 
@@ -45,15 +45,15 @@ def adapter_config(lora: LoraConfig, base_model_name_or_path=None) -> dict:
 
 
 def peft_state_dict(adapters: dict) -> dict[str, np.ndarray]:
-    """PEFT tensor name -> host array of `adapters` ({name: {"a": [n_layers, r, in],
-    "b": [n_layers, out, r]}}): lora_A [r, in], lora_B [out, r] per layer, dtype kept."""
+    """PEFT tensor name -> host array of `adapters` ({name: {"a": [n_layers, in, r],
+    "b": [n_layers, r, out]}}): lora_A [r, in], lora_B [out, r] per layer, dtype kept."""
     out = {}
     for name, ab in adapters.items():
         a, b = np.asarray(jax.device_get(ab["a"])), np.asarray(jax.device_get(ab["b"]))
         for i in range(a.shape[0]):
             module = f"{PREFIX}model.layers.{i}.{_MODULES[name]}"
-            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[i])
-            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[i])
+            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     return out
 
 
@@ -86,7 +86,7 @@ def save_peft_adapter(path, config: ModelConfig, source, *,
     if set(adapters) != want:
         raise ValueError(f"the adapters are {sorted(adapters)}, the LoraConfig's targets "
                          f"need {sorted(want)}")
-    rank = next(iter(adapters.values()))["a"].shape[-2]
+    rank = next(iter(adapters.values()))["a"].shape[-1]
     if rank != lora.rank:
         raise ValueError(f"the adapters have rank {rank}, the LoraConfig rank {lora.rank}")
     path = pathlib.Path(path)

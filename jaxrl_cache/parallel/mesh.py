@@ -30,15 +30,15 @@ Rules = tuple[tuple[str, tuple], ...]  # ((leaf name, spec of its trailing dims)
 # over data x fsdp; params are gathered per layer in the forward, gradients reduce-scattered.
 TRAIN_RULES: Rules = (
     ("embed", (FSDP, None)),  # [V, d]
-    ("lm_head", (FSDP, None)),  # [V, d]
-    ("wq", (None, FSDP)), ("wk", (None, FSDP)), ("wv", (None, FSDP)),  # [H*D, d]
-    ("wo", (FSDP, None)),  # [d, Hq*D]
-    ("w_gate", (None, FSDP)), ("w_up", (None, FSDP)),  # [F, d]
-    ("w_down", (FSDP, None)),  # [d, F]
+    ("lm_head", (FSDP, None)),  # [d, V]
+    ("wq", (FSDP, None)), ("wk", (FSDP, None)), ("wv", (FSDP, None)),  # [d, H*D]
+    ("wo", (None, FSDP)),  # [Hq*D, d]
+    ("w_gate", (FSDP, None)), ("w_up", (FSDP, None)),  # [d, F]
+    ("w_down", (None, FSDP)),  # [F, d]
     ("bq", (None,)), ("bk", (None,)), ("bv", (None,)), ("bo", (None,)),
     ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
     ("q_norm", (None,)), ("k_norm", (None,)),
-    ("a", (None, None)), ("b", (None, None)),  # LoRA adapters [L, r, in], [L, out, r]: small
+    ("a", (None, None)), ("b", (None, None)),  # LoRA adapters [L, in, r], [L, r, out]: small
 )
 
 
@@ -77,10 +77,10 @@ def rollout_rules(config: ModelConfig, tensor: int) -> Rules:
     kv = TENSOR if copies == 1 else None
     return (
         ("embed", (None, None)), ("lm_head", (None, None)),
-        ("wq", (TENSOR, None)), ("bq", (TENSOR,)),  # matrices [out, in]: split by out
-        ("wk", (kv, None)), ("wv", (kv, None)), ("bk", (kv,)), ("bv", (kv,)),
-        ("wo", (TENSOR, None)), ("bo", (None,)),  # bo added to the gathered output
-        ("w_gate", (TENSOR, None)), ("w_up", (TENSOR, None)), ("w_down", (TENSOR, None)),
+        ("wq", (None, TENSOR)), ("bq", (TENSOR,)),
+        ("wk", (None, kv)), ("wv", (None, kv)), ("bk", (kv,)), ("bv", (kv,)),
+        ("wo", (None, TENSOR)), ("bo", (None,)),  # bo added to the gathered output
+        ("w_gate", (None, TENSOR)), ("w_up", (None, TENSOR)), ("w_down", (None, TENSOR)),
         ("attn_norm", (None,)), ("mlp_norm", (None,)), ("final_norm", (None,)),
         ("q_norm", (None,)), ("k_norm", (None,)),  # per head, [D]
         ("kv_pages", (None, TENSOR, None, None)),

@@ -38,14 +38,12 @@ _KV_COLUMNS = ("wk", "wv", "bk", "bv")
 
 @jax.tree_util.register_pytree_node_class
 class ColumnShard:
-    """A slice w [..., n, K] of the output rows of a weight [..., columns, K] (stored
-    [out, in]: its output columns are the rows here).
+    """A slice w [..., K, n] of the output columns of a weight [..., K, columns].
 
-    `models.dense(x, shard)` = x @ w.T, computed with the tiles of the whole [columns, K]
-    weight's product (`columns`), so each output column has the bits one device's product
-    gives it. When `gathered` (wo, w_down), x [..., K / tensor] is this shard's slice of the
-    input: it is all-gathered over the tensor axis first, and the [..., n] result after
-    (-> [..., columns]).
+    `models.dense(x, shard)` = x @ w, computed with the tiles of the whole [K, columns]
+    product (`columns`), so each column has the bits one device's product gives it. When
+    `gathered` (wo, w_down), x [..., K / tensor] is this shard's slice of the input: it is
+    all-gathered over the tensor axis first, and the [..., n] result after (-> [..., columns]).
     """
 
     def __init__(self, w, columns: int, gathered: bool = False):
@@ -85,19 +83,17 @@ def rollout_shardings(params, config: ModelConfig, mesh: Mesh):
 
 def _local_params(params, config: ModelConfig, tensor: int, copies: int):
     """Inside shard_map: wrap every weight matrix in `ColumnShard`; with copied kv heads,
-    slice this shard's head out of the replicated wk/wv/bk/bv (a slice of their outputs: the
-    rows of a [out, in] matrix, the entries of a bias)."""
+    slice this shard's head out of the replicated wk/wv/bk/bv (a slice of their columns)."""
     head = jax.lax.axis_index(TENSOR) // copies
     d = config.head_dim
 
     def local(path, x):
         name = leaf_name(path)
-        out_axis = x.ndim - (2 if name in _COLUMN_PARALLEL or name in _GATHERED else 1)
         if name in _KV_COLUMNS and copies > 1:
-            part = jax.lax.dynamic_slice_in_dim(x, head * d, d, axis=out_axis)
-            return ColumnShard(part, x.shape[out_axis]) if name in _COLUMN_PARALLEL else part
+            part = jax.lax.dynamic_slice_in_dim(x, head * d, d, axis=x.ndim - 1)
+            return ColumnShard(part, x.shape[-1]) if name in _COLUMN_PARALLEL else part
         if name in _COLUMN_PARALLEL or name in _GATHERED:
-            return ColumnShard(x, x.shape[out_axis] * tensor, gathered=name in _GATHERED)
+            return ColumnShard(x, x.shape[-1] * tensor, gathered=name in _GATHERED)
         return x
 
     return jax.tree_util.tree_map_with_path(local, params)

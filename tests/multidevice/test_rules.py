@@ -38,23 +38,23 @@ def test_rollout_shard_shapes():
         shardings = tree_shardings(params, rollout_rules(CONFIG, tensor), mesh)
         layer = shardings["layers"]  # stacked: [L=1, ...] leaves
         shape = lambda name: layer[name].shard_shape(params["layers"][name].shape)
-        assert shape("wq") == (1, 64 // tensor, 32)  # [L, out, in]: split by out
-        assert shape("wk") == shape("wv") == (1, kv_cols, 32)
-        assert shape("wo") == (1, 32 // tensor, 64)  # whole columns of d_model
-        assert shape("w_gate") == shape("w_up") == (1, 64 // tensor, 32)
-        assert shape("w_down") == (1, 32 // tensor, 64)
+        assert shape("wq") == (1, 32, 64 // tensor)
+        assert shape("wk") == shape("wv") == (1, 32, kv_cols)
+        assert shape("wo") == (1, 64, 32 // tensor)  # whole columns of d_model
+        assert shape("w_gate") == shape("w_up") == (1, 32, 64 // tensor)
+        assert shape("w_down") == (1, 64, 32 // tensor)
         assert shardings["embed"].shard_shape(params["embed"].shape) == (32, 32)
 
 
 def test_rules_apply_to_trailing_dims_with_or_without_a_layer_axis():
     mesh = make_mesh({"tensor": 8})
-    shapes = {"wq": (64, 32), "wo": (32, 64), "attn_norm": (32,), "kv_pages": (4, 8, 4, 8)}
+    shapes = {"wq": (32, 64), "wo": (64, 32), "attn_norm": (32,), "kv_pages": (4, 8, 4, 8)}
     for lead in ((), (3,)):
         tree = {k: jax.ShapeDtypeStruct(lead + v, jnp.float32) for k, v in shapes.items()}
         specs = jax.tree.map(lambda s: s.spec,
                              tree_shardings(tree, rollout_rules(CONFIG, 8), mesh))
         pad = (None,) * len(lead)
-        assert specs == {"wq": P(*pad, "tensor", None), "wo": P(*pad, "tensor", None),
+        assert specs == {"wq": P(*pad, None, "tensor"), "wo": P(*pad, None, "tensor"),
                          "attn_norm": P(*pad, None),
                          "kv_pages": P(*pad, None, "tensor", None, None)}
 
@@ -68,13 +68,13 @@ def test_optimizer_state_sharded_like_params():
     assert jax.tree.map(lambda s: s.spec, nu) == jax.tree.map(lambda s: s.spec, shardings.params)
     assert shardings.opt_state.count.spec == P() and shardings.version.spec == P()
     wq = state.params["layers"]["wq"]
-    assert shardings.params["layers"]["wq"].shard_shape(wq.shape) == (1, 64, 8)
+    assert shardings.params["layers"]["wq"].shard_shape(wq.shape) == (1, 8, 64)
 
 
 def test_errors_name_the_param():
     mesh = make_mesh({"fsdp": 8})
     with pytest.raises(ValueError, match="'wq'.*not divisible by mesh axis 'fsdp'"):
-        tree_shardings({"wq": np.zeros((4, 12))}, TRAIN_RULES, mesh)
+        tree_shardings({"wq": np.zeros((12, 4))}, TRAIN_RULES, mesh)
     with pytest.raises(ValueError, match="no partition rule for param 'w_extra'"):
         tree_shardings({"w_extra": np.zeros((8, 8))}, TRAIN_RULES, mesh)
 
@@ -84,4 +84,4 @@ def test_format_rules_lists_rules_and_per_device_shapes():
     text = format_rules(rollout_rules(CONFIG, 8), mesh, common.params())
     for name, _ in rollout_rules(CONFIG, 8):
         assert name in text
-    assert "['layers']['wq']" in text and "(1, 64, 32)" in text and "(1, 8, 32)" in text
+    assert "['layers']['wq']" in text and "(1, 32, 64)" in text and "(1, 32, 8)" in text

@@ -75,7 +75,7 @@ def test_step_keeps_the_layout_and_one_executable(run):
                         run["shardings"])
     assert all(jax.tree.leaves(same))
     wq = got.params["layers"]["wq"]
-    assert wq.addressable_shards[0].data.shape == (1, 64, 8)  # d_model 32 over fsdp 4
+    assert wq.addressable_shards[0].data.shape == (1, 8, 64)  # d_model 32 over fsdp 4
     packed = run["call"][0][4]  # [U, M, B, R]: rows split over data x fsdp
     width = packed.tokens.shape[-1]  # planned for prompt + max_new_tokens
     assert packed.tokens.shape == (1, 1, 8, width) and width % 16 == 0

@@ -58,18 +58,18 @@ def test_gathered_columns_through_scan_over_stacked_layers():
     """Stacked layers ([L, ...] leaves, lax.scan over them) keep the wrapper: each layer's
     dense(x, w) on a gathered column shard is the full product, as with per-layer dicts."""
     mesh = make_mesh({"tensor": 4}, jax.devices()[:4])
-    w = jax.random.normal(jax.random.key(0), (3, 16, 16))  # [L, out, in]
+    w = jax.random.normal(jax.random.key(0), (3, 16, 16))  # [L, in, out]
     x = jax.random.normal(jax.random.key(1), (2, 16))
 
-    def body(w, x):  # w [L, out/4, in]: this shard's outputs, x [2, in/4]: its input slice
+    def body(w, x):  # w [L, in, out/4]: this shard's columns, x [2, in/4]: its input slice
         def layer(h, w_l):
             return h, dense(x, w_l)
         return jax.lax.scan(layer, 0.0, ColumnShard(w, 16, gathered=True))[1]
 
-    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tensor", None),
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, None, "tensor"),
                                                             P(None, "tensor")),
                                 out_specs=P(), check_vma=False))(w, x)
-    np.testing.assert_allclose(got, np.einsum("bi,loi->lbo", x, w), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, np.einsum("bi,lio->lbo", x, w), atol=1e-5, rtol=1e-5)
 
 
 # head_dim 16: the kernels' smallest (CONFIG's 8 is below it); 2 kv heads, so tensor 4 and 8
