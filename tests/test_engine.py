@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from jaxrl_cache.models.dense import Transposed, transpose_pays
+from jaxrl_cache.models.llama import PROJECTIONS
 from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SchedulerConfig
 from jaxrl_cache.errors import CacheFullError, VersionError
@@ -485,6 +487,38 @@ def test_release_with_drop_kv_frees_the_pool_and_the_next_call_rebuilds_it():
         engine.release_weights(drop_kv=1)
 
 
+def _untransposed(resident):
+    """(the resident params with each `Transposed` as its [in, out] weight, {path: the
+    [out, in] transpose}) after checking every transpose is its weight's, in fresh buffers."""
+    is_t = lambda x: isinstance(x, Transposed)  # noqa: E731
+    transposes = {}
+
+    def plain(path, x):
+        if is_t(x):
+            np.testing.assert_array_equal(np.asarray(x.t), np.swapaxes(np.asarray(x.w), -1, -2))
+            assert x.t.unsafe_buffer_pointer() != x.w.unsafe_buffer_pointer()
+            transposes[jax.tree_util.keystr(path)] = x.t
+            return x.w
+        return x
+    return jax.tree_util.tree_map_with_path(plain, resident, is_leaf=is_t), transposes
+
+
+def test_the_engine_holds_a_transpose_where_it_spares_padding():
+    """A single-device engine holds each projection whose few-row dot pads (`invariant_rows`
+    above the transposed layout's bound) with its [out, in] transpose beside it: on this
+    CPU every projection of the test model, and rollouts with it equal dense greedy."""
+    engine = make_engine()
+    ack = engine.sync_weights(varied_params(0), 0)
+    held, transposes = _untransposed(engine._weights.params)
+    want = {f"['layers']['{name}']" for name in PROJECTIONS
+            if transpose_pays(*varied_params(0)["layers"][name].shape[-2:], "float32")}
+    assert set(transposes) == want and want
+    assert ack.transposed_bytes == sum(t.nbytes for t in transposes.values())
+    batch = engine.rollout(varied_params(0), 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    assert [list(s.output_ids) for s in batch.samples[::2]] == [
+        dense_greedy(varied_params(0), CONFIG, p, 7)[0] for p in PROMPTS]
+
+
 def test_a_borrowing_sync_holds_the_callers_arrays_until_released():
     """sync_weights(borrow=True) keeps the caller's arrays (nothing copied: the ack says 0
     bytes) and generates with them; a copying sync reports the params' bytes. Deleting
@@ -496,8 +530,10 @@ def test_a_borrowing_sync_holds_the_callers_arrays_until_released():
     assert copied.copied_bytes == sum(x.nbytes for x in jax.tree.leaves(varied_params(0)))
     ack = engine.sync_weights(params, 1, borrow=True)
     assert ack.copied_bytes == 0 and ack.version == 1
+    held, transposes = _untransposed(engine._weights.params)
     assert all(a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer() for a, b in zip(
-        jax.tree.leaves(engine._weights.params), jax.tree.leaves(params)))  # the very buffers
+        jax.tree.leaves(held), jax.tree.leaves(params)))  # the very buffers
+    assert ack.transposed_bytes == sum(t.nbytes for t in transposes.values()) > 0
     batch = engine.rollout(params, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == [
         dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]

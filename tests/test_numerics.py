@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.models.dense import dense, invariant_rows
+from jaxrl_cache.models.dense import (Transposed, dense, invariant_rows, rows_out_rows,
+                                      transpose_pays)
 from kernels_pallas.blocked import (KEY_BLOCK, block_scores, blocked_attention, chain_sum,
                                     key_blocks, tree_sum)
 
@@ -57,6 +58,33 @@ def test_the_measured_row_bounds():
     assert invariant_rows(576, 1536, "float32", False) <= 40
     assert invariant_rows(64, 32, "float32", False) > 40
     assert invariant_rows(576, 49152, "float32", True) <= 2
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (576, 192), (1536, 576), (64, 32), (64, 96)])
+def test_the_transpose_gives_the_trainer_bits_at_every_row_count(k, n):
+    """The rollout engine's few-row dots run on the [out, in] transpose (`Transposed`): each
+    row gets the bits the [in, out] weight gives it among 256 rows (the trainer's), at every
+    count from 1 (padded to the measured bound) to 1100, and in a jitted scan over stacked
+    layers as the decode slices them."""
+    x = RNG.standard_normal((1100, k)).astype(np.float32)
+    w = RNG.standard_normal((3, k, n)).astype(np.float32) * 0.05
+    both = Transposed(jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.swapaxes(1, 2))))
+    trainer = jax.jit(lambda x, w: dense(x, w[1]))
+    ref = np.asarray(trainer(jnp.asarray(x[:256]), jnp.asarray(w)))
+    sampler = jax.jit(lambda x, ws: jax.lax.scan(lambda c, wl: (c, dense(x, wl)), 0, ws)[1][1])
+    for rows in (1, 2, 3, 8, 16, 31, 33, 49, 51, 64, 100, 256, 1100):
+        got = np.asarray(sampler(jnp.asarray(x[:rows]), both))
+        np.testing.assert_array_equal(got[:min(rows, 256)], ref[:min(rows, 256)])
+
+
+def test_the_measured_transpose_bounds():
+    """What the cross-layout probe finds on this CPU: from 2 rows the [out, in] dot gives the
+    [in, out] bits at every shape the models use, so the transpose pays wherever the
+    [in, out] bound is higher (K = 576, the tiny model's [64, 32]) and not at K = 1536."""
+    for k, n in [(576, 1536), (576, 576), (576, 192), (1536, 576), (64, 32), (64, 128)]:
+        assert rows_out_rows(k, n, "float32") <= 2
+    assert transpose_pays(576, 1536, "float32") and transpose_pays(64, 32, "float32")
+    assert not transpose_pays(1536, 576, "float32")
 
 
 def test_block_scores_do_not_depend_on_query_or_key_counts():

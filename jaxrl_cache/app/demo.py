@@ -724,6 +724,8 @@ def _say_step(step: int, row: dict) -> None:
     sample, sync_bytes = row["sample"], row["sync_bytes"]
     moved = (f"copied {sync_bytes / 2**20:.1f} MiB" if sync_bytes else
              "lent the params (nothing copied)")
+    if row.get("transposed_bytes"):
+        moved += f", wrote {row['transposed_bytes'] / 2**20:.1f} MiB of decode transposes"
     prompt = sample["prompt"] if isinstance(sample["prompt"], str) else \
         sample["prompt"][-1]["content"]  # chat messages: the last one
     tqdm.write(f"step {step:4d}  {prompt[-24:]!r} -> {sample['completion']!r} "

@@ -9,6 +9,14 @@ So the bound is measured, once per (K, N, dtype, layout) on the backend in use
 (`invariant_rows`), and smaller calls are zero-padded up to it. tests/test_numerics.py pins
 the measured facts.
 
+The sampler's few rows need not pay that padding: on this CPU a dot over the weight stored
+[out, in] gives every row, from 2 rows on, the very bits the [in, out] dot gives it among
+256, at every shape probed (`rows_out_rows` measures that cross-layout bound). So the
+rollout engine holds each projection both ways (`Transposed`, `models.llama.sampler_layout`)
+and a call of fewer rows than the [in, out] bound runs on the transpose, padded only to the
+next probed row count (16 decode rows stay 16 where [in, out] pads them to 33); larger
+calls (prefill, wide decodes) and the trainer keep [in, out], which is faster there.
+
 XLA:GPU's dots have no such bound (their kernel, tiling and split-K change with the row
 count), so there the projections can run on `kernels_pallas.matmul.tiled_matmul`, one fixed
 tile program for every row count, the trainer's attention on the sampler's own prefill
@@ -18,6 +26,7 @@ Not the default yet: no GPU has confirmed the bits (benchmarks/gpu_check.py meas
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,6 +41,16 @@ from kernels_pallas.matmul import tiled_matmul
 PROBE_ROWS = (1, 2, 4, 8, 16, 24, 32, 33, 36, 40, 48, 56, 64, 80, 96, 128)  # counts tried
 REFERENCE_ROWS = 256
 FALLBACK_ROWS = 128  # when no probed count agrees (a backend without the property)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+    """A projection weight held both ways: `dense` runs a call of fewer rows than the
+    [in, out] bound on `t` (padded only to the next probed row count, same bits:
+    `rows_out_rows`), any other on `w`."""
+    w: jax.Array  # [..., K, N] (the weight itself)
+    t: jax.Array  # [..., N, K] its transpose, a separate buffer
 
 
 def _dot(x, w, w_rows_out: bool):
@@ -60,6 +79,40 @@ def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
     return bound
 
 
+@functools.lru_cache(maxsize=None)
+def rows_out_rows(k: int, n: int, dtype: str) -> int | None:
+    """Smallest probed row count r such that every probed count >= r (and REFERENCE_ROWS)
+    gives each row, from w stored [n, k], the bits the [k, n] weight gives it among
+    REFERENCE_ROWS rows; None when REFERENCE_ROWS itself disagrees (the layouts differ).
+    Measured eagerly, once per process."""
+    rng = np.random.default_rng(0)
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
+        x = jnp.asarray(rng.standard_normal((REFERENCE_ROWS, k)), dtype)
+        w = np.asarray(jnp.asarray(rng.standard_normal((k, n)), dtype))
+        dot = jax.jit(_dot, static_argnums=2)
+        ref = np.asarray(dot(x, jnp.asarray(w), False))
+        w_t = jnp.asarray(np.ascontiguousarray(w.T))
+        agrees = [np.array_equal(np.asarray(dot(x[:r], w_t, True)), ref[:r])
+                  for r in PROBE_ROWS + (REFERENCE_ROWS,)]
+    if not agrees[-1]:
+        return None
+    bound = REFERENCE_ROWS
+    for r, ok in zip(reversed(PROBE_ROWS), reversed(agrees[:-1])):
+        if not ok:
+            break
+        bound = r
+    return bound
+
+
+def transpose_pays(k: int, n: int, dtype: str) -> bool:
+    """Whether a [k, n] weight is worth a `Transposed` copy: XLA's dots (not
+    `invariant_kernels`) with a cross-layout bound below the [in, out] one."""
+    if invariant_kernels() is not None:
+        return False
+    bound = rows_out_rows(k, n, dtype)
+    return bound is not None and bound < min(invariant_rows(k, n, dtype, False), FALLBACK_ROWS)
+
+
 def dense(x, w, out_dtype=None, *, w_rows_out: bool = False, columns: int | None = None):
     """x [..., K] @ w [K, N] -> [..., N], batch-invariant (see the module doc).
 
@@ -75,6 +128,16 @@ def dense(x, w, out_dtype=None, *, w_rows_out: bool = False, columns: int | None
                                                     w_rows_out=w_rows_out))
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
+    if isinstance(w, Transposed):
+        k, n = w.w.shape
+        dtype = jnp.dtype(x.dtype).name
+        if not transpose_pays(k, n, dtype) or \
+                rows.shape[0] >= min(invariant_rows(k, n, dtype, False), FALLBACK_ROWS):
+            w = w.w
+        else:  # padded to a probed count: those are the ones measured
+            least = max(rows.shape[0], rows_out_rows(k, n, dtype))
+            out = _dot(pad_rows(rows, 0, min(r for r in PROBE_ROWS if r >= least)), w.t, True)
+            return out[:rows.shape[0]].reshape(*lead, n).astype(out_dtype or x.dtype)
     kernels = invariant_kernels()
     if kernels is not None:  # per batch shard under a training mesh (a custom call)
         out = per_batch_shard(lambda r: tiled_matmul(r, w, w_rows_out=w_rows_out,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.dense import dense
+from jaxrl_cache.models.dense import Transposed, dense, transpose_pays
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import per_batch_shard, split_batch
 from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
@@ -85,6 +85,26 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens):  # tokens int32 [B, T] -> logits f32 [B, T, V]
         return forward(self.params(), self.config, tokens)
+
+
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, in, out] each
+
+
+def sampler_layout(params: dict) -> dict:
+    """The rollout engine's weights: each layer projection for which
+    `models.dense.transpose_pays` held with a fresh [L, out, in] transpose beside it
+    (`Transposed`), so a decode of a few rows runs unpadded with the very bits the trainer's
+    [in, out] dot gives (models/dense.py). Every array of params is kept as it is."""
+    layers = dict(params["layers"])
+    pays = [name for name in PROJECTIONS if isinstance(layers.get(name), jax.Array)
+            and transpose_pays(layers[name].shape[-2], layers[name].shape[-1],
+                               jnp.dtype(layers[name].dtype).name)]
+    transposes = _transposed([layers[name] for name in pays])
+    layers.update({name: Transposed(layers[name], t) for name, t in zip(pays, transposes)})
+    return {**params, "layers": layers}
+
+
+_transposed = jax.jit(lambda ws: [jnp.swapaxes(w, -1, -2) for w in ws])  # fresh buffers
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
@@ -176,6 +196,11 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
     if remat != "none":
         block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
+    if isinstance(params["layers"], (list, tuple)):
+        carry = (x, kv_cache, 0)
+        for layer in params["layers"]:
+            carry, _ = block(carry, layer)
+        return carry[0], carry[1]
     (x, kv_cache, _), _ = jax.lax.scan(block, (x, kv_cache, jnp.int32(0)), params["layers"])
     return x, kv_cache
 

@@ -341,4 +341,4 @@ def _record(step: int, version: int, ack: WeightAck, rewards: list, batches: lis
         mixed_tokens=counts.mixed_tokens,
         recomputed_tokens=sum(b.recomputed_tokens for b in batches),
         invalidated_pages=ack.invalidated_pages, sync_seconds=ack.seconds,
-        sync_bytes=ack.copied_bytes)
+        sync_bytes=ack.copied_bytes, transposed_bytes=ack.transposed_bytes)

@@ -41,6 +41,7 @@ from jaxrl_cache.checks import as_bool, as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, init_params, lora
+from jaxrl_cache.models.llama import sampler_layout
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -65,6 +66,7 @@ class _Weights(NamedTuple):
     fingerprint: np.ndarray | None = None  # of the params synced under `version`: kept when
     #   they are released, so other params are never accepted under it (`_same_version`)
     lora_base: "_LoraBase | None" = None  # LoRA: the one base every adapter state runs on
+    transposed_bytes: int = 0  # the decode transposes staging wrote (`sampler_layout`)
 
 
 class _LoraBase(NamedTuple):
@@ -241,6 +243,10 @@ class RolloutEngine:
         weights and cache stay as they were. The ack reports the bytes copied and the sync's
         own seconds.
 
+        Single-device and without LoRA, the engine also writes the [out, in] transpose of
+        each projection whose small-row dot then needs no padding for the trainer's bits
+        (`models.llama.sampler_layout`; `transposed_bytes` in the ack, freed with the rest).
+
         borrow=True (a synchronous loop): jax arrays already where the engine runs are held
         as they are, not copied, until `release_weights()` or the next sync; the caller must
         not donate or delete them before that (a rollout on deleted weights raises). Leaves
@@ -378,10 +384,15 @@ class RolloutEngine:
             resident = lora.attach({**lora_base.params, lora.SCALE: resident["scale"]},
                                    resident["adapters"])
             source = tuple(jax.tree.leaves(given))
+        transposed = 0
+        if lora_base is None and self.mesh is None:  # (a LoRA base stays lent as it is)
+            before = sum(x.nbytes for x in jax.tree.leaves(resident))
+            resident = sampler_layout(resident)
+            transposed = sum(x.nbytes for x in jax.tree.leaves(resident)) - before
         return _Weights(version, resident, source, time.perf_counter() - begun, copied,
                         any(lent) or lora_base is not None, lent_bytes,
                         tuple(p for p, l in zip(paths, lent) if not l) if borrow else (),
-                        np.asarray(fingerprint), lora_base)
+                        np.asarray(fingerprint), lora_base, transposed)
 
     def _owned(self, params, borrow: bool):
         """(params resident at the engine's placement, finite, fingerprint): fresh copies, or
@@ -447,7 +458,8 @@ class RolloutEngine:
         return WeightAck(staged.version, previous, invalidated, time.perf_counter() - start,
                          tuple(self.cache.versions()),
                          tuple(sorted(before - set(self.cache.versions()))), recomputed,
-                         staged.copied_bytes, staged.lent_bytes, staged.copied_leaves)
+                         staged.copied_bytes, staged.lent_bytes, staged.copied_leaves,
+                         staged.transposed_bytes)
 
     def _window(self) -> tuple:
         """Cache namespaces that may hold entries: the versions inside the lag window."""

@@ -83,6 +83,8 @@ class WeightAck:
     lent_bytes: int = 0  # bytes held as the caller's own arrays (sync_weights(borrow=True))
     copied_leaves: tuple = ()  # borrow: leaves copied because they could not be lent (host
     #                            arrays, another placement), by path; () otherwise
+    transposed_bytes: int = 0  # bytes of the [out, in] copies written for decoding
+    #                            (models.llama.sampler_layout; single-device, no LoRA)
 
 
 @dataclasses.dataclass(frozen=True)
