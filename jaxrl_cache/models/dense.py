@@ -58,21 +58,28 @@ def _dot(x, w, w_rows_out: bool):
                                preferred_element_type=jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
+def _row_bound(k: int, n: int, dtype: str, w_rows_out: bool, transposed: bool) -> int | None:
     """Smallest probed row count r such that every probed count >= r gives each row the
-    bits it gets among REFERENCE_ROWS rows, for a [rows, k] x [k, n] dot (w [n, k] when
-    w_rows_out) in `dtype` on the default backend. Measured eagerly, once per process."""
+    bits it gets among REFERENCE_ROWS rows of a [rows, k] x [k, n] dot (w [n, k] when
+    w_rows_out) in `dtype` on the default backend; FALLBACK_ROWS when the largest probe
+    disagrees. transposed: the probes run on w's transpose, in the other layout; None when
+    that disagrees even at REFERENCE_ROWS. Measured eagerly."""
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
         x = jnp.asarray(rng.standard_normal((REFERENCE_ROWS, k)), dtype)
         w = jnp.asarray(rng.standard_normal((n, k) if w_rows_out else (k, n)), dtype)
         dot = jax.jit(_dot, static_argnums=2)
         ref = np.asarray(dot(x, w, w_rows_out))
-        agrees = [np.array_equal(np.asarray(dot(x[:r], w, w_rows_out)), ref[:r])
-                  for r in PROBE_ROWS]
+        probe, probe_rows_out = w, w_rows_out
+        if transposed:  # a separate row-major buffer, as the engine holds it
+            probe = jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
+            probe_rows_out = not w_rows_out
+        agrees = [np.array_equal(np.asarray(dot(x[:r], probe, probe_rows_out)), ref[:r])
+                  for r in PROBE_ROWS + (REFERENCE_ROWS,)]
+    if not agrees[-1]:
+        return None
     bound = FALLBACK_ROWS
-    for r, ok in zip(reversed(PROBE_ROWS), reversed(agrees)):
+    for r, ok in zip(reversed(PROBE_ROWS), reversed(agrees[:-1])):
         if not ok:
             break
         bound = r
@@ -80,28 +87,17 @@ def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def invariant_rows(k: int, n: int, dtype: str, w_rows_out: bool) -> int:
+    """`_row_bound` of the dot as laid out (once per process): calls of fewer rows are
+    padded to it."""
+    return _row_bound(k, n, dtype, w_rows_out, transposed=False)
+
+
+@functools.lru_cache(maxsize=None)
 def rows_out_rows(k: int, n: int, dtype: str) -> int | None:
-    """Smallest probed row count r such that every probed count >= r (and REFERENCE_ROWS)
-    gives each row, from w stored [n, k], the bits the [k, n] weight gives it among
-    REFERENCE_ROWS rows; None when REFERENCE_ROWS itself disagrees (the layouts differ).
-    Measured eagerly, once per process."""
-    rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):  # a one-off probe
-        x = jnp.asarray(rng.standard_normal((REFERENCE_ROWS, k)), dtype)
-        w = np.asarray(jnp.asarray(rng.standard_normal((k, n)), dtype))
-        dot = jax.jit(_dot, static_argnums=2)
-        ref = np.asarray(dot(x, jnp.asarray(w), False))
-        w_t = jnp.asarray(np.ascontiguousarray(w.T))
-        agrees = [np.array_equal(np.asarray(dot(x[:r], w_t, True)), ref[:r])
-                  for r in PROBE_ROWS + (REFERENCE_ROWS,)]
-    if not agrees[-1]:
-        return None
-    bound = REFERENCE_ROWS
-    for r, ok in zip(reversed(PROBE_ROWS), reversed(agrees[:-1])):
-        if not ok:
-            break
-        bound = r
-    return bound
+    """`_row_bound` of a [k, n] weight's dot run on its [n, k] transpose against the [k, n]
+    dot's bits (once per process); None when the layouts never agree."""
+    return _row_bound(k, n, dtype, False, transposed=True)
 
 
 def transpose_pays(k: int, n: int, dtype: str) -> bool:
