@@ -14,8 +14,8 @@ from jaxrl_cache.models.llama import forward
 from jaxrl_cache.models.lora import LoraConfig
 from jaxrl_cache.rl import memory, train
 from jaxrl_cache.rl.logprobs import next_token_log_probs, token_log_probs
-from jaxrl_cache.rl.packing import (SHAPE_REUSE, balanced_parts, pack, plan, scored_columns,
-                                    shared_prefix)
+from jaxrl_cache.rl.packing import (DISTINCT_ALIGN, SHAPE_REUSE, balanced_parts, pack, plan,
+                                    scored_columns, shared_prefix)
 from jaxrl_cache.rl.batch import group_advantages_no_std, make_batch, pack_batch
 from jaxrl_cache.rl.memory import TrainMemoryError, check_memory, estimate_step_bytes
 from jaxrl_cache.rl.train import TrainState, optimizer_counts, train_step
@@ -675,6 +675,26 @@ def test_grpo_groups_plan_for_distinct_tokens():
     filled = int((np.asarray(packed.kv_blocks)[..., ::4] >= 0).sum())
     padded = int(np.prod(packed.kv_blocks.shape[:-1])) * packed.kv_blocks.shape[-1] // 4
     assert filled <= packed.items.size <= 1.1 * filled < 0.75 * padded
+
+
+def test_distinct_width_is_the_planned_count_rounded_to_a_tile():
+    """A GRPO group as the CLI's 2 x 8 x 24 chat run has it: a 43-token prompt, 8 samples
+    planned for 24 new tokens each (reserve), so 43 + 8 x 24 = 235 distinct tokens a row:
+    the projections run on N = 240 of them (DISTINCT_ALIGN), not 256, and every sampled
+    token is laid out and scored within that width."""
+    rng = np.random.default_rng(3)
+    prompt = list(rng.integers(1, 1000, 43))
+    outs = [24, 12, 24, 16, 24, 24, 7, 24]  # as sampled (at most the 24 planned)
+    sequences = [prompt + list(rng.integers(1, 1000, o)) for o in outs]
+    packed = pack(sequences, np.full(8, 43), [np.zeros(o, np.float32) for o in outs],
+                  [np.zeros(o, np.int32) for o in outs], np.zeros(8, np.float32),
+                  [np.ones(o, np.float32) for o in outs], [np.ones(o, bool) for o in outs],
+                  parts=[np.arange(8)], token_budget=4096, reserve=np.full(8, 43 + 24))
+    assert DISTINCT_ALIGN == 16 and packed.columns.shape[-1] == 240
+    live, sources = np.asarray(packed.segments) > 0, np.asarray(packed.sources)
+    listed = [len(set(sources[r][live[r]].tolist())) for r in np.ndindex(live.shape[:3])]
+    assert sum(listed) == 43 + sum(outs)  # the prompt once, each output token once
+    assert np.asarray(packed.weights > 0).sum() == sum(outs)  # every sampled token scored
 
 
 def _grpo_like(rng, outs, prompt_len=45, group=8):
