@@ -196,11 +196,6 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
 
     if remat != "none":
         block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
-    if isinstance(params["layers"], (list, tuple)):
-        carry = (x, kv_cache, 0)
-        for layer in params["layers"]:
-            carry, _ = block(carry, layer)
-        return carry[0], carry[1]
     (x, kv_cache, _), _ = jax.lax.scan(block, (x, kv_cache, jnp.int32(0)), params["layers"])
     return x, kv_cache
 
