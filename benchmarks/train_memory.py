@@ -108,8 +108,8 @@ def _update_memory_plan(state, batch, cfg) -> dict:
     from jaxrl_cache.rl.memory import resolve_remat
 
     packed = train.pack_batch(batch, cfg)
-    rows, length = packed.tokens.shape[-2:]  # remat "auto" resolved as train_step does
-    cfg = resolve_remat(state.config, cfg, rows * length, length, lora=state.lora)
+    length = packed.tokens.shape[-1]  # remat "auto" resolved as train_step does
+    cfg = resolve_remat(state.config, cfg, length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
                 kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)

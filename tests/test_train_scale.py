@@ -610,33 +610,32 @@ def test_shape_follows_the_prompts_not_the_sampled_lengths():
     assert len(shapes) == 1, shapes
 
 
-def test_auto_remat_saves_the_dots_of_big_micro_batches_that_fit(monkeypatch):
-    """remat "auto": "dots" from AUTO_DOTS_TOKENS tokens per micro-batch when its estimate
-    takes at most half the memory, "full" below it, short of memory or with the memory
-    unknown; explicit policies pass through. The "dots" estimate holds each layer's weight
-    matmul outputs per token beside its input; an auto step trains like a full one."""
+def test_auto_remat_saves_the_dots_when_they_fit(monkeypatch):
+    """remat "auto": "dots" when its estimate takes at most half the memory, "full" short of
+    memory or with the memory unknown; explicit policies pass through. The "dots" estimate
+    holds each layer's weight matmul outputs per token beside its input; an auto step trains
+    like a full one (and resolves to "dots" on a machine with room)."""
     smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                        head_dim=64, d_ff=1536, max_seq_len=2048)
-    auto, big = TrainConfig(), memory.AUTO_DOTS_TOKENS
+    auto = TrainConfig()
     dots = estimate_step_bytes(smol, dataclasses.replace(auto, remat="dots"))
     full = estimate_step_bytes(smol, dataclasses.replace(auto, remat="full"))
     per_token = 30 * 4 * (3 * 576 + 15 * 64 + 2 * 1536)  # input, q k v, o, gate, up, down
     assert dots["activations"] - full["activations"] == 4096 * (per_token - 30 * 4 * 576)
     assert estimate_step_bytes(smol, auto) == full
-    resolve = lambda tokens, have: memory.resolve_remat(  # noqa: E731
-        smol, auto, tokens, available=have).remat
+    resolve = lambda have: memory.resolve_remat(smol, auto, available=have).remat  # noqa
     roomy = 2 * dots["total"]
-    assert resolve(big, roomy) == "dots" and resolve(big - 1, roomy) == "full"
-    assert resolve(big, roomy - 1) == "full"
+    assert resolve(roomy) == "dots" and resolve(roomy - 1) == "full"
+    small = dataclasses.replace(auto, token_budget=512)  # the estimate follows the budget
+    assert memory.resolve_remat(smol, small, available=roomy - 1).remat == "dots"
     monkeypatch.setattr(memory, "available_bytes", lambda: None)
-    assert resolve(big, None) == "full"
+    assert resolve(None) == "full"
     for given in ("full", "dots", "none"):
         cfg = dataclasses.replace(auto, remat=given)
-        assert memory.resolve_remat(smol, cfg, big, available=1) is cfg
+        assert memory.resolve_remat(smol, cfg, available=1) is cfg
 
     chosen, real = [], memory.resolve_remat
     monkeypatch.setattr(memory, "available_bytes", lambda: 2**40)
-    monkeypatch.setattr(memory, "AUTO_DOTS_TOKENS", 2)
     monkeypatch.setattr(train, "resolve_remat",
                         lambda *a, **k: chosen.append(real(*a, **k).remat) or real(*a, **k))
     sp = dataclasses.replace(SETTINGS[0], max_new_tokens=12)

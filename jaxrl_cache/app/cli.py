@@ -216,7 +216,7 @@ def _trainer_arguments(add, d) -> None:
              "beside the trained one); 0: none [%(default)s]")
     add("--remat", choices=["auto", "full", "dots", "none"], default=d.remat,
         help="rematerialisation of the layer scan in the train step (memory vs time); "
-             "auto: dots for micro-batches of 2048+ tokens when that fits half the memory, "
+             "auto: dots when that fits half the memory, "
              "else full [%(default)s]")
     add("--compute-dtype", choices=["float32", "bfloat16"], default=d.compute_dtype,
         help="train-step compute dtype (params and optimizer state stay fp32) "

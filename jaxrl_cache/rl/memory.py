@@ -90,31 +90,28 @@ def available_bytes() -> int | None:
         return None
 
 
-# remat "auto": "dots" (no recomputed forward of the weight matmuls) from micro-batches of
-# this many tokens, when its estimate takes at most AUTO_MEMORY_FRACTION of the memory;
-# "full" below. SmolLM2-135M train step, 2026-12-04: 64 x 160 tokens (micro-batches of
-# ~3.4k) 70.8 s with "dots" vs 80.9 "full" (+1.9 GiB); 2 x 8 x 24 through the CLI (one of
-# ~830) 7.6 vs 6.3-7.2 s (+0.47 GiB): the saved forward pays only on big micro-batches.
-AUTO_DOTS_TOKENS = 2048
+# remat "auto": "dots" (no recomputed forward of the weight matmuls) when its estimate takes
+# at most this fraction of the memory, else "full". SmolLM2-135M train step: 64 x 160 tokens
+# (micro-batches of ~3.4k) 70.8 s with "dots" vs 80.9 "full" (2026-12-04); 2 x 8 x 24
+# through the CLI (one micro-batch of 480 distinct tokens) 0.92-0.99x the update time in
+# 4 in-process A/Bs and 0.92-1.00x in 3 CLI rounds, +0.2 GiB peak RSS (2026-12-06); "none"
+# kept +0.9 GiB for no consistent gain.
 AUTO_MEMORY_FRACTION = 0.5
 
 
-def resolve_remat(config: ModelConfig, cfg: TrainConfig, micro_tokens: int,
-                  row_length: int | None = None, available: int | None = None,
-                  lora: LoraConfig | None = None) -> TrainConfig:
-    """`cfg` with remat "auto" resolved for micro-batches of `micro_tokens` tokens (packed
-    rows x row length): "dots" when micro_tokens >= AUTO_DOTS_TOKENS and the "dots" step
-    estimate is at most AUTO_MEMORY_FRACTION of the available memory (default
-    `available_bytes()`; unknown: "full"), else "full". Other policies are returned as
-    given."""
+def resolve_remat(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
+                  available: int | None = None, lora: LoraConfig | None = None) -> TrainConfig:
+    """`cfg` with remat "auto" resolved: "dots" when the "dots" step estimate (micro-batches
+    of token_budget tokens in rows of row_length) is at most AUTO_MEMORY_FRACTION of the
+    available memory (default `available_bytes()`; unknown: "full"), else "full". Other
+    policies are returned as given."""
     if cfg.remat != "auto":
         return cfg
     dots = dataclasses.replace(cfg, remat="dots")
-    if micro_tokens >= AUTO_DOTS_TOKENS:
-        have = available_bytes() if available is None else available
-        need = estimate_step_bytes(config, dots, row_length, lora)["total"]
-        if have is not None and need <= AUTO_MEMORY_FRACTION * have:
-            return dots
+    have = available_bytes() if available is None else available
+    need = estimate_step_bytes(config, dots, row_length, lora)["total"]
+    if have is not None and need <= AUTO_MEMORY_FRACTION * have:
+        return dots
     return dataclasses.replace(cfg, remat="full")
 
 

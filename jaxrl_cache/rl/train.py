@@ -394,8 +394,8 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
-    rows, length = packed.tokens.shape[-2:]  # of a micro-batch, split over `ways` devices
-    cfg = resolve_remat(state.config, cfg, rows * length // ways, length, lora=state.lora)
+    length = packed.tokens.shape[-1]
+    cfg = resolve_remat(state.config, cfg, length, lora=state.lora)
     check_memory(state.config, cfg, length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     layout = None

@@ -35,7 +35,7 @@ class TrainConfig:
     epochs: int = 1  # passes over the batch
     token_budget: int = 4096  # tokens per micro-batch (packed rows x row length)
     remat: str = "auto"  # layer-scan rematerialisation: "full", "dots", "none", or "auto"
-    #                      (rl.memory.resolve_remat: "dots" for big micro-batches that fit)
+    #                      (rl.memory.resolve_remat: "dots" when it fits in memory)
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
     logprob_chunk: int = 128  # positions per LM-head chunk (rl/logprobs.LOGPROB_CHUNK)
     donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
