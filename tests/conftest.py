@@ -35,11 +35,15 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 
 # Files that take longest run first (`--dist loadfile` hands files to the two workers in
 # collection order): longest-first keeps the workers even instead of one finishing a long
-# file alone at the end. Order within a file is unchanged.
-LONG_FILES = ("test_multidevice.py", "test_demo.py", "test_multihost.py", "test_engine.py",
-              "test_kernels.py", "test_train_scale.py", "test_training.py",
-              "test_async_engine.py", "test_episodes.py", "test_model.py",
-              "test_engine_stateful.py", "test_episode_training.py")
+# file alone at the end. Order within a file is unchanged. Ranked by a cold-cache CI run's
+# durations (2026-12-06).
+LONG_FILES = ("test_multidevice.py", "test_invariant_kernels.py", "test_demo.py",
+              "test_train_scale.py", "test_exactness.py", "test_numerics.py",
+              "test_multihost.py", "test_step_audit.py", "test_lora_demo.py", "test_eval.py",
+              "test_episodes.py", "test_offpolicy.py", "test_episode_training.py",
+              "test_training.py", "test_lora.py", "test_validation.py", "test_engine.py",
+              "test_kernels.py", "test_async_engine.py", "test_model.py",
+              "test_engine_stateful.py")
 
 
 def pytest_collection_modifyitems(items):
