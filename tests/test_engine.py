@@ -616,7 +616,8 @@ class TestWeakInput:
         with pytest.raises(ValueError, match="num_pages"):
             RolloutEngine(CONFIG, CacheConfig(num_pages=2**25, page_size=PS))  # 64 GiB
 
-    @pytest.mark.parametrize("bad", [None, 1.5, "x", {"embed": 1}])
+    @pytest.mark.filterwarnings("error")  # refused before JAX flattens it (no warning)
+    @pytest.mark.parametrize("bad", [None, 1.5, "x", {"embed": 1}, (i for i in range(2))])
     def test_params(self, bad):
         engine = make_engine()
         with pytest.raises((TypeError, ValueError)):

@@ -29,6 +29,7 @@ import numbers
 import operator
 import threading
 import time
+from collections.abc import Mapping
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -89,7 +90,10 @@ class _Call(NamedTuple):
 
 
 def _same_leaves(tree, leaves) -> bool:
-    """True iff `tree`'s leaves are the very objects in `leaves` (held, so ids stay unique)."""
+    """True iff `tree` (a param dict) has the very objects in `leaves` as its leaves (held,
+    so ids stay unique); anything but a mapping is not flattened and gives False."""
+    if not isinstance(tree, Mapping):
+        return False
     mine = jax.tree.leaves(tree)
     return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
 
@@ -479,6 +483,9 @@ class RolloutEngine:
     def _check_params(self, params) -> None:
         """Raises ValueError (one line) unless params fit the model config: the base tree,
         optionally with LoRA adapters (`models.lora`)."""
+        if not isinstance(params, Mapping):  # before any flatten (a generator is a leaf)
+            raise ValueError(f"params must be the model's param dict, got "
+                             f"{type(params).__name__}")
         params, adapters, scale = lora.split(params) if isinstance(params, dict) \
             else (params, None, None)
         if adapters is not None:
