@@ -109,7 +109,7 @@ def _update_memory_plan(state, batch, cfg) -> dict:
 
     packed = train.pack_batch(batch, cfg)
     length = packed.tokens.shape[-1]  # remat "auto" resolved as train_step does
-    cfg = resolve_remat(state.config, cfg, length, lora=state.lora)
+    cfg = resolve_remat(state.config, cfg, row_length=length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
                 kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)

@@ -201,7 +201,7 @@ def test_decode_chunks_read_only_the_key_blocks_they_reach(params0, monkeypatch)
 
 @pytest.mark.parametrize("remat", ["full", "dots", "none"])
 def test_every_remat_policy_reproduces_the_sampler(params0, remat):
-    """The remat policy ("auto" picks "dots" for big micro-batches) changes what the backward
+    """The remat policy ("auto" picks "dots" when it fits) changes what the backward
     keeps, never the forward's bits: engine samples (a computed and a cached prefix), split
     over several micro-batches, pass the tolerance-0 gate with mismatch exactly 0."""
     engine = _engine()

@@ -99,7 +99,7 @@ def available_bytes() -> int | None:
 AUTO_MEMORY_FRACTION = 0.5
 
 
-def resolve_remat(config: ModelConfig, cfg: TrainConfig, row_length: int | None = None,
+def resolve_remat(config: ModelConfig, cfg: TrainConfig, *, row_length: int | None = None,
                   available: int | None = None, lora: LoraConfig | None = None) -> TrainConfig:
     """`cfg` with remat "auto" resolved: "dots" when the "dots" step estimate (micro-batches
     of token_budget tokens in rows of row_length) is at most AUTO_MEMORY_FRACTION of the

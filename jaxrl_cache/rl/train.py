@@ -395,7 +395,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
     length = packed.tokens.shape[-1]
-    cfg = resolve_remat(state.config, cfg, length, lora=state.lora)
+    cfg = resolve_remat(state.config, cfg, row_length=length, lora=state.lora)
     check_memory(state.config, cfg, length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     layout = None
