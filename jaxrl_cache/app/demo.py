@@ -479,7 +479,7 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
         run.write_record(record)
     tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
                f"{record['sft_exact_match']:.3f}")
-    start_step = loaded.start_version // train.updates
+    start_step = _steps_at(opts, loaded.start_version)
     source = _prompt_source(opts, task, loaded.tokenizer)
     rollouts = _rollouts(opts, engine, source, loaded.sampling, lag, seed_key, loaded.state,
                          start_step)
@@ -526,6 +526,17 @@ class _Loaded:
     ref_params: object = None  # --kl-beta > 0: the policy GRPO started from (a copy)
 
 
+def _steps_at(opts: DemoOptions, version: int) -> int:
+    """The GRPO steps a checkpoint at `version` holds: every step makes exactly
+    epochs x mini-batches updates (the version counts updates, the metrics rows count steps)."""
+    updates = _train_config(opts, async_rollouts=opts.async_rollouts).updates
+    steps, rest = divmod(version, updates)
+    if rest:
+        raise ValueError(f"the checkpoint at version {version} is not a whole number of steps "
+                         f"of {updates} updates each; it was not written by this run")
+    return steps
+
+
 def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
                  layout) -> _Loaded:
     """A fresh run: its record, the initial policy (warm start) and checkpoint 0; a resumed
@@ -568,7 +579,7 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
         else:
             state = restore_checkpoint(run.checkpoints, state)
             start_version = int(state.version)
-            rows = run.read_rows(start_version)
+            rows = run.read_rows(_steps_at(opts, start_version))
             tqdm.write(f"resumed {run.path} at version {start_version}")
     except BaseException:
         if fresh:  # nothing to resume yet: leave no run behind, so the command can run again
