@@ -504,16 +504,15 @@ def _untransposed(resident):
 
 
 def test_the_engine_holds_a_transpose_where_it_spares_padding():
-    """A single-device engine holds each projection whose few-row dot pads (`invariant_rows`
-    above the transposed layout's bound) with its [out, in] transpose beside it: on this
-    CPU the test model's k and v projections ([64, 32]: padded to 56 rows, 2 transposed),
-    not the others (no padding), and rollouts with them equal dense greedy."""
+    """A single-device engine holds a projection with its [out, in] transpose beside it
+    exactly where the few-row dot pads (`transpose_pays`, measured on the running CPU: the
+    set differs between CPUs), and rollouts with them equal dense greedy."""
     engine = make_engine()
     ack = engine.sync_weights(varied_params(0), 0)
     held, transposes = _untransposed(engine._weights.params)
-    assert set(transposes) == {"['layers']['wk']", "['layers']['wv']"}
-    assert all(transpose_pays(*varied_params(0)["layers"][name].shape[-2:], "float32")
-               == (name in ("wk", "wv")) for name in PROJECTIONS)
+    pays = {f"['layers']['{name}']" for name in PROJECTIONS
+            if transpose_pays(*varied_params(0)["layers"][name].shape[-2:], "float32")}
+    assert set(transposes) == pays
     assert ack.transposed_bytes == sum(t.nbytes for t in transposes.values())
     batch = engine.rollout(varied_params(0), 0, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == [
@@ -534,7 +533,7 @@ def test_a_borrowing_sync_holds_the_callers_arrays_until_released():
     held, transposes = _untransposed(engine._weights.params)
     assert all(a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer() for a, b in zip(
         jax.tree.leaves(held), jax.tree.leaves(params)))  # the very buffers
-    assert ack.transposed_bytes == sum(t.nbytes for t in transposes.values()) > 0
+    assert ack.transposed_bytes == sum(t.nbytes for t in transposes.values())
     batch = engine.rollout(params, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == [
         dense_greedy(varied_params(1), CONFIG, p, 7)[0] for p in PROMPTS]

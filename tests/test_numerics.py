@@ -1,17 +1,18 @@
 """The batch-invariant building blocks of exact numerics (kernels_pallas/blocked.py,
 models.llama.dense): right against numpy, and bit-identical however a row is batched.
 
-These pin the XLA:CPU facts the design rests on (a dot's row bits depend on the row count
-for few rows, by a bound `invariant_rows` measures per shape, and on a score dot's column count unless it is a multiple of 64): if a jax
-upgrade changes them, these fail before the end-to-end exactness tests do.
+The facts the design rests on are measured on the CPU the tests run on, never pinned to one
+CPU's figures (an AVX2 EPYC and an AVX-512 Xeon need different row bounds): a dot's row bits
+depend on the row count for few rows, by a bound `invariant_rows` measures per shape, and
+each measured bound is checked right and tight here against a brute-force dot of its own.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.models.dense import (Transposed, dense, invariant_rows, rows_out_rows,
-                                      transpose_pays)
+from jaxrl_cache.models.dense import (FALLBACK_ROWS, PROBE_ROWS, Transposed, dense,
+                                      invariant_rows, rows_out_rows, transpose_pays)
 from kernels_pallas.blocked import (KEY_BLOCK, block_scores, blocked_attention, chain_sum,
                                     key_blocks, tree_sum)
 
@@ -51,13 +52,56 @@ def test_dense_rows_do_not_depend_on_the_batch(k, n, rows_out):
                                atol=1e-4)
 
 
-def test_the_measured_row_bounds():
-    """What the probe finds on this CPU: few rows take another kernel at K = 576 (up to 32
-    rows) and for a narrow output (up to 50 rows at [64, 32]); the LM head and K = 1536 only
-    at one row. A change here means XLA changed its kernels: the padding follows it."""
-    assert invariant_rows(576, 1536, "float32", False) <= 40
-    assert invariant_rows(64, 32, "float32", False) > 40
-    assert invariant_rows(576, 49152, "float32", True) <= 2
+def _agrees(k: int, n: int, rows_out: bool, counts, transposed: bool = False) -> list:
+    """For each count: whether a [count, k] dot gives each row the bits the [in, out] (or
+    [out, in] when rows_out) dot gives it among 256 rows; transposed: the counts run on a
+    row-major copy of the weight in the other layout. Data of its own, so the probe's
+    inputs are not what decides it."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((256, k)), jnp.float32)
+    w = rng.standard_normal((n, k) if rows_out else (k, n)).astype(np.float32)
+    dims = lambda rows_out: (((1,), (1 if rows_out else 0,)), ((), ()))  # noqa: E731
+    dot = jax.jit(lambda x, w, rows_out: jax.lax.dot_general(x, w, dims(rows_out)),
+                  static_argnums=2)
+    ref = np.asarray(dot(x, jnp.asarray(w), rows_out))
+    probe = jnp.asarray(np.ascontiguousarray(w.T)) if transposed else jnp.asarray(w)
+    return [np.array_equal(np.asarray(dot(x[:c], probe, rows_out != transposed)), ref[:c])
+            for c in counts]
+
+
+def _check_bound(bound, k, n, rows_out, transposed=False):
+    """A measured bound is right (every count from it on keeps the bits, probed or not) and
+    tight (the probed count below it does not: no padding beyond what this CPU needs)."""
+    counts = sorted({c for c in PROBE_ROWS if c >= bound} | {bound + 1, bound + 3, 200})
+    assert all(_agrees(k, n, rows_out, counts, transposed)), (k, n, bound)
+    below = [c for c in PROBE_ROWS if c < bound]
+    if below and bound != FALLBACK_ROWS:
+        assert not _agrees(k, n, rows_out, below[-1:], transposed)[0], (k, n, bound)
+
+
+@pytest.mark.parametrize("k,n,rows_out", [(576, 1536, False), (1536, 576, False),
+                                          (64, 32, False), (64, 40, True)])
+def test_the_measured_row_bound_is_right_and_tight_on_this_cpu(k, n, rows_out):
+    """`invariant_rows` is what this CPU's dot needs (which differs between CPUs: 33 at
+    [576, 1536] on one AVX-512 Xeon, 64 on an AVX2 EPYC): every row count from the bound
+    on gives a row the bits it has among 256, and the probed count below it does not."""
+    _check_bound(invariant_rows(k, n, "float32", rows_out), k, n, rows_out)
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (576, 192), (1536, 576), (64, 32), (64, 128)])
+def test_the_measured_transpose_bound_is_right_and_tight_on_this_cpu(k, n):
+    """`rows_out_rows`: from its bound on, the [out, in] copy gives every row the [in, out]
+    dot's bits among 256, and the probed count below it does not (None: the layouts never
+    agree, not even at 256 rows); the engine holds a transpose exactly where that bound is
+    below the [in, out] one (`transpose_pays`)."""
+    bound = rows_out_rows(k, n, "float32")
+    if bound is None:
+        assert not _agrees(k, n, False, [256], transposed=True)[0]
+    else:
+        _check_bound(bound, k, n, False, transposed=True)
+    assert transpose_pays(k, n, "float32") == (
+        bound is not None and bound < min(invariant_rows(k, n, "float32", False),
+                                          FALLBACK_ROWS))
 
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (576, 192), (1536, 576), (64, 32), (64, 96)])
@@ -75,16 +119,6 @@ def test_the_transpose_gives_the_trainer_bits_at_every_row_count(k, n):
     for rows in (1, 2, 3, 8, 16, 31, 33, 49, 51, 64, 100, 256, 1100):
         got = np.asarray(sampler(jnp.asarray(x[:rows]), both))
         np.testing.assert_array_equal(got[:min(rows, 256)], ref[:min(rows, 256)])
-
-
-def test_the_measured_transpose_bounds():
-    """What the cross-layout probe finds on this CPU: from 2 rows the [out, in] dot gives the
-    [in, out] bits at every shape the models use, so the transpose pays wherever the
-    [in, out] bound is higher (K = 576, the tiny model's [64, 32]) and not at K = 1536."""
-    for k, n in [(576, 1536), (576, 576), (576, 192), (1536, 576), (64, 32), (64, 128)]:
-        assert rows_out_rows(k, n, "float32") <= 2
-    assert transpose_pays(576, 1536, "float32") and transpose_pays(64, 32, "float32")
-    assert not transpose_pays(1536, 576, "float32")
 
 
 def test_block_scores_do_not_depend_on_query_or_key_counts():
@@ -232,22 +266,23 @@ def test_scores_read_keys_laid_out_d_by_l_at_the_default_optimisation_level():
 
 
 def test_every_head_size_keeps_the_order_with_p_at_v_at_its_measured_width():
-    """The probe behind rl.audit.tolerance_for. XLA:CPU's p @ v dot [M, 16] x [16, D] gives
-    a row other bits at few rows than among many at D = 32, 48, 80 and 96 (the fact), so
-    `block_values` runs it zero-padded to `value_width` (the next power of two, or its
-    double: 32 -> 64, 80 -> 128), where it does not; every head size then keeps the order
-    and an engine of such a model is audited at tolerance 0, its samples reproducing bit
-    for bit on the xla backend."""
+    """The probe behind rl.audit.tolerance_for. Where XLA:CPU's p @ v dot [M, 16] x [16, D]
+    gives a row other bits at few rows than among many (which head sizes: the CPU's; on an
+    AVX-512 Xeon 32, 48, 80 and 96), `block_values` runs it zero-padded to `value_width`,
+    the first of the next power of two and its doubles where it does not; every head size
+    then keeps the order and an engine of such a model is audited at tolerance 0, its
+    samples reproducing bit for bit on the xla backend."""
     from jaxrl_cache.models import ModelConfig, init_params
     from jaxrl_cache.rl.audit import CALIBRATED_TOLERANCE, audit_attribution, tolerance_for
     from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams
     from kernels_pallas import KERNELS_ENV
     from kernels_pallas.blocked import _values_keep_rows, batch_invariant, value_width
-    sizes = (16, 32, 48, 64, 80, 96, 128)
-    assert [_values_keep_rows(d) for d in sizes] == [True, False, False, True, False, False,
-                                                     True]
-    assert [value_width(d) for d in sizes] == [16, 64, 64, 64, 128, 128, 128]
-    assert all(batch_invariant(d) for d in sizes)
+    for d in (16, 32, 48, 64, 80, 96, 128):
+        width, first = value_width(d), 1 << (d - 1).bit_length()
+        candidates = list(dict.fromkeys((d, first, 2 * first, 4 * first)))
+        keeps = [_values_keep_rows(c) for c in candidates]
+        assert width == candidates[keeps.index(True) if True in keeps else 0], (d, keeps)
+        assert batch_invariant(d), d
     prompts = [list(range(1, 20)), list(range(5, 9))]
     for head_dim in (32, 80):
         config = ModelConfig.tiny(vocab_size=32, head_dim=head_dim)
