@@ -2,20 +2,21 @@
 share the call, so the sampler (a few decode rows) and the trainer (thousands of packed
 rows) agree bit for bit.
 
-XLA:CPU picks its dot kernel by shape, and for few rows it picks one that reduces in another
-order: at [rows, 576] x [576, 1536] every row count up to 32 gives a row other bits than
-the same row among 256, from 33 on they agree; at [rows, 64] x [64, 32] the bound is 50.
-So the bound is measured, once per (K, N, dtype, layout) on the backend in use
-(`invariant_rows`), and smaller calls are zero-padded up to it. tests/test_numerics.py pins
-the measured facts.
+XLA:CPU picks its dot kernel by shape and by CPU, and for few rows it picks one that reduces
+in another order: at [rows, 576] x [576, 1536] on one AVX-512 Xeon every row count up to 32
+gives a row other bits than the same row among 256, from 33 on they agree (64 on an AVX2
+EPYC). So the bound is measured, once per (K, N, dtype, layout) on the machine and backend
+in use (`invariant_rows`), and smaller calls are zero-padded up to it.
+tests/test_numerics.py checks each measured bound right and tight on the CPU it runs on.
 
-The sampler's few rows need not pay that padding: on this CPU a dot over the weight stored
-[out, in] gives every row, from 2 rows on, the very bits the [in, out] dot gives it among
-256, at every shape probed (`rows_out_rows` measures that cross-layout bound). So the
-rollout engine holds each projection both ways (`Transposed`, `models.llama.sampler_layout`)
-and a call of fewer rows than the [in, out] bound runs on the transpose, padded only to the
-next probed row count (16 decode rows stay 16 where [in, out] pads them to 33); larger
-calls (prefill, wide decodes) and the trainer keep [in, out], which is faster there.
+The sampler's few rows need not pay that padding where the CPU allows: on the AVX-512 Xeon
+a dot over the weight stored [out, in] gives every row, from 2 rows on, the very bits the
+[in, out] dot gives it among 256 (`rows_out_rows` measures that cross-layout bound). So the
+rollout engine holds a projection both ways (`Transposed`, `models.llama.sampler_layout`)
+where that bound is below the [in, out] one (`transpose_pays`, measured), and a call of
+fewer rows than the [in, out] bound runs on the transpose, padded only to the next probed
+row count (16 decode rows stay 16 where [in, out] pads them to 33); larger calls (prefill,
+wide decodes) and the trainer keep [in, out], which is faster there.
 
 XLA:GPU's dots have no such bound (their kernel, tiling and split-K change with the row
 count), so there the projections can run on `kernels_pallas.matmul.tiled_matmul`, one fixed
