@@ -131,12 +131,12 @@ def _grpo_arguments(add, d) -> None:
         help="GRPO steps (= final policy version) [%(default)s]")
     add("--sft-steps", type=_natural_int, default=None,
         help="at most this many supervised warm-start steps on reference answers before "
-             "GRPO; 0 skips it [300 for the built-in model, 400 with --env, 0 with --model]")
+             "GRPO; 0 skips it [600 for the built-in model, 400 with --env, 0 with --model]")
     add("--sft-stop-loss", type=_positive_float, default=None,
         help="the warm start stops early once its smoothed token loss falls below this: it "
              "is deliberately short, GRPO does the rest [0.5; 0.2 with --env]")
-    add("--sft-lr", type=_positive_float, default=d.sft_lr,
-        help="warm-start learning rate (Adam) [%(default)s]")
+    add("--sft-lr", type=_positive_float, default=None,
+        help="warm-start learning rate (Adam) [2e-3; 5e-3 with --env]")
     add("--sft-batch", type=_positive_int, default=d.sft_batch,
         help="warm-start examples per step [%(default)s]")
     add("--group-size", type=_positive_int, default=d.group_size,
@@ -159,7 +159,7 @@ def _grpo_arguments(add, d) -> None:
     add("--include-stop-str-in-output", action="store_true",
         help="keep the stop string in the completion's text (rewards see it)")
     add("--lr", type=_positive_float, default=None, help="GRPO peak learning rate "
-        "[3e-3; 3e-4 with --env]")
+        "[1e-3; 3e-4 with --env]")
     add("--warmup-steps", type=_natural_int, default=d.warmup_steps,
         help="GRPO linear learning-rate warmup [%(default)s]")
     add("--weight-decay", type=_natural_float, default=d.weight_decay,

@@ -85,7 +85,7 @@ def _optimizer(opts: DemoOptions):
 
 
 def _lr_schedule(opts: DemoOptions):
-    lr = opts.lr or (3e-4 if opts.env else 3e-3)
+    lr = opts.lr or (3e-4 if opts.env else 1e-3)
     return optax.warmup_constant_schedule(0.0, lr, max(opts.warmup_steps, 1))
 
 
@@ -306,7 +306,7 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
     """SFT of the HF model at `base` on reference answers; saved to out/sft_model."""
     config, params = from_pretrained(base)
     tokenizer = load_tokenizer(base)
-    tx = optax.adam(opts.sft_lr)
+    tx = optax.adam(opts.sft_lr or (5e-3 if opts.env else 2e-3))
     opt_state = tx.init(params)
     rng = np.random.default_rng([opts.seed, 1])
     stop = tokenizer.stop_token_ids[:1]
@@ -350,11 +350,11 @@ def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
 
 
 def _sft_steps(opts: DemoOptions) -> int:
-    """The warm start's step limit: --sft-steps, else 300 for the built-in model, 0 with
+    """The warm start's step limit: --sft-steps, else 600 for the built-in model, 0 with
     --model."""
     if opts.sft_steps is not None:
         return opts.sft_steps
-    return 0 if opts.model is not None else (400 if opts.env else 300)
+    return 0 if opts.model is not None else (400 if opts.env else 600)
 
 
 class _Stop:

@@ -23,10 +23,10 @@ NOT_SETTINGS = ("resume", "overwrite", "out")  # how to run, not what: never com
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
     steps: int = 120  # GRPO steps (= final policy version)
-    sft_steps: int | None = None  # at most; None: 300 for the built-in model, 0 with --model
+    sft_steps: int | None = None  # at most; None: 600 for the built-in model, 0 with --model
     sft_stop_loss: float | None = None  # the warm start stops once its smoothed token loss
     #   is below this; None: 0.5, or 0.2 with --env calculator (the tool format needs more)
-    sft_lr: float = 5e-3
+    sft_lr: float | None = None  # warm-start Adam lr; None: 2e-3, or 5e-3 with --env calculator
     sft_batch: int = 32
     group_size: int = 8
     prompts_per_step: int = 8
@@ -38,7 +38,7 @@ class DemoOptions:
     top_k: int = 0  # SamplingParams.top_k (0: off)
     stop: tuple = ()  # stop strings (SamplingParams.stop)
     include_stop_str_in_output: bool = False
-    lr: float | None = None  # GRPO peak lr; None: 3e-3, or 3e-4 with --env calculator
+    lr: float | None = None  # GRPO peak lr; None: 1e-3, or 3e-4 with --env calculator
     warmup_steps: int = 5
     weight_decay: float = 0.0  # make_optimizer's (decoupled, AdamW style)
     max_grad_norm: float = 1.0
@@ -117,7 +117,7 @@ class DemoOptions:
             raise ValueError("--env calculator runs the built-in model on its own questions; "
                              "it excludes --task and --model")
         for name in ("lr", "sft_lr", "sft_stop_loss"):
-            if name in ("lr", "sft_stop_loss") and getattr(self, name) is None:
+            if getattr(self, name) is None:
                 continue
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
