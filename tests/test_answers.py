@@ -8,6 +8,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jaxrl_cache.rl.answers import (answer_reward, answer_score, check_answer_check,
                                     final_answer, parse_number)
@@ -80,6 +81,58 @@ def test_exact_check_is_unchanged_and_a_regex_picks_the_answer():
     assert answer_score("The answer is 72", "72", check="numeric",
                         answer_regex=r"answer is (\d+)") == 1.0
     assert answer_score("no number here", "72", check="numeric", answer_regex=gsm) == 0.0
+
+
+@pytest.mark.parametrize("regex,completion", [
+    (r"#### (\d+)|\\boxed\{(\d+)\}", "so \\boxed{12}"),  # the second alternative's group
+    (r"#### (\d+)|\\boxed\{(\d+)\}", "so #### 12"),
+    (r"(\d+)( apples)?", "it is 12"),  # an optional group that took no part
+    (r"(x)?12", "it is 12"),  # no group took part: the whole match
+])
+def test_a_regex_group_that_took_no_part_in_the_match_is_skipped(regex, completion):
+    assert answer_score(completion, "12", check="exact", answer_regex=regex) == 1.0
+    assert answer_score(completion, "13", check="numeric", answer_regex=regex) == 0.0
+
+
+def _final_answer_by_rescanning(text: str):
+    """The reference: each box from the last rescans to its closing brace (quadratic)."""
+    import re
+    boxed = None
+    for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
+        depth = 1
+        for end in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                boxed = (m.start(), text[m.end():end].strip())
+                break
+        if boxed is not None:
+            break
+    hashes = text.rfind("####")
+    if hashes >= 0 and (boxed is None or hashes > boxed[0]):
+        return text[hashes + 4:].split("\n", 1)[0].strip()
+    return None if boxed is None else boxed[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["\\boxed{", "\\fbox {", "{", "}", "7", " ", "####", "\n",
+                                 "x"]), max_size=30).map("".join))
+def test_final_answer_equals_the_rescanning_reference(text):
+    assert final_answer(text) == _final_answer_by_rescanning(text)
+
+
+class _CountingStr(str):
+    reads = 0
+
+    def __getitem__(self, index):
+        type(self).reads += 1
+        return super().__getitem__(index)
+
+
+def test_final_answer_reads_a_text_of_unclosed_boxes_a_bounded_number_of_times():
+    """28 KB of unclosed \\boxed{ took 20-51 s (every box rescanned the rest of the text)."""
+    text = _CountingStr("\\boxed{1 " * 3000 + "#### 5")
+    assert final_answer(text) == "5"
+    assert _CountingStr.reads <= 10  # slices, not a read per character per box
 
 
 def test_answer_reward_is_a_trl_shaped_reward():

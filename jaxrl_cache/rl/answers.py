@@ -12,8 +12,8 @@ for the optional math-verify check (the `math` extra).
   words, `1,00`) is a number.
 - `answer_score(completion, reference, check=, answer_regex=)` -> 1.0, 0.0 or None (the
   reference cannot be read; math-verify only). The checks (`CHECKS`):
-  - "exact": the completion (or the regex's last match: its first group if it has one,
-    else the whole match) equals the reference, both stripped; no match scores 0.0;
+  - "exact": the completion (or the regex's last match: its first group that took part
+    in the match, else the whole match) equals the reference, both stripped; no match scores 0.0;
   - "numeric": the candidate is the regex's last match, else `final_answer`, else the
     whole completion; the reference is its own `final_answer` (a GSM8K solution ends in
     `#### 72`) or itself. Equal as numbers when both parse (exactly: 1/3 != 0.333), else as
@@ -53,19 +53,21 @@ def check_answer_check(check: str) -> str:
     return check
 
 
+_BRACES = re.compile(_BOX.pattern + r"|[{}]")
+
+
 def final_answer(text: str) -> str | None:
     """The last `\\boxed{...}` / `\\fbox{...}` content or `#### ...` line, whichever is
-    later (see the module doc)."""
-    boxed = None
-    for m in reversed(list(_BOX.finditer(text))):
-        depth = 1
-        for end in range(m.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            if depth == 0:
-                boxed = (m.start(), text[m.end():end].strip())
-                break
-        if boxed is not None:
-            break
+    later (see the module doc). One pass over the braces: linear in the text, however many
+    boxes are left unclosed."""
+    boxed, opened = None, []  # opened: (box start, content start) or None per open brace
+    for m in _BRACES.finditer(text):
+        if m.group() == "}":
+            if opened and (box := opened.pop()) is not None:
+                if boxed is None or box[0] > boxed[0]:
+                    boxed = (box[0], text[box[1]:m.start()].strip())
+        else:
+            opened.append((m.start(), m.end()) if m.group() != "{" else None)
     hashes = text.rfind("####")
     if hashes >= 0 and (boxed is None or hashes > boxed[0]):
         return text[hashes + 4:].split("\n", 1)[0].strip()
@@ -118,8 +120,9 @@ def _regex_answer(completion: str, answer_regex: str) -> str | None:
     matches = list(re.finditer(answer_regex, completion))
     if not matches:
         return None
-    last = matches[-1]
-    return (last.group(1) if last.re.groups else last.group(0)).strip()
+    last = matches[-1]  # its first group that took part, else the whole match
+    taking_part = [g for g in last.groups() if g is not None]
+    return (taking_part[0] if taking_part else last.group(0)).strip()
 
 
 def answer_score(completion: str, reference: str, *, check: str = "numeric",
