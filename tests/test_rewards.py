@@ -269,7 +269,13 @@ def test_load_reward_specs(tmp_path):
     m = load_reward("jaxrl_cache.rl.answers:final_answer")
     assert m.name == "final_answer" and m.batched
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    (tmp_path / "bad_str.py").write_text(
+        "class E(Exception):\n    def __str__(self):\n        raise RuntimeError('no')\n"
+        "raise E()\n")
     for spec, match in [
+            (f"{tmp_path}/exits.py:f", "importing .*exits.py failed: SystemExit"),
+            (f"{tmp_path}/bad_str.py:f", "importing .*bad_str.py failed: E: \\(its message"),
             ("fmt", "expected module:function"), (f"{path}:fmt=heavy", "weight must be a "
                                                                         "finite number"),
             (f"{path}:fmt=inf", "weight must be a finite"),

@@ -348,7 +348,12 @@ def _import(spec: str, module: str):
                 del sys.modules[key]
                 raise
         return sys.modules[key]
-    except Exception as e:  # noqa: BLE001 -- the user's module: one line
-        text = str(e).splitlines()[0] if str(e).strip() else ""
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- the user's module (SystemExit too): one line
+        try:
+            text = str(e).splitlines()[0] if str(e).strip() else ""
+        except Exception:  # noqa: BLE001 -- an exception whose __str__ raises
+            text = "(its message could not be read)"
         raise ValueError(f"--reward {spec!r}: importing {module} failed: "
                          f"{type(e).__name__}: {text:.200}") from None
