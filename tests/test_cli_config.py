@@ -123,6 +123,12 @@ def test_config_files_yaml_and_json_flags_override(tmp_path, captured, capsys):
     ("group_size: [2, 3]\n", ".yaml", "group_size takes one value, got a list"),
     ("group_size: 1.5\n", ".yaml", "argument --group-size: expected a positive integer"),
     ("steps: true\n", ".yaml", "argument --steps: expected a positive integer, got 'true'"),
+    ("group_size: 4\nsteps: 3\ngroup_size: 8\n", ".yaml",
+     "not valid YAML (line 1: the key 'group_size' is given twice)"),
+    ('{"steps": 3, "steps": 4}', ".json", "not valid JSON (the key 'steps' is given twice)"),
+    ("group_size: 4\ngroup-size: 8\n", ".yaml", "group_size and group-size both set "
+                                                 "--group-size"),
+    ('{"async": true, "async_rollouts": false}', ".json", "both set --async"),
 ])
 def test_bad_config_files_give_one_line(tmp_path, capsys, text, suffix, message):
     config = tmp_path / f"c{suffix}"

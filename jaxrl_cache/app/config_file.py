@@ -28,7 +28,7 @@ def read_config(path) -> dict:
             values = _yaml(text)
         else:
             try:
-                values = json.loads(text)
+                values = json.loads(text, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 if path.suffix.lower() == ".json":
                     raise ValueError(f"line {e.lineno}: {e.msg}") from None
@@ -44,10 +44,30 @@ def read_config(path) -> dict:
     return values
 
 
+def _unique_keys(pairs) -> dict:
+    """A JSON object's pairs -> dict; a key given twice is an error (not the last one wins)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} is given twice")
+        seen[key] = value
+    return seen
+
+
 def _yaml(text: str):
     import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"line {node.start_mark.line + 1}: the key {twice[0]!r} is "
+                                 f"given twice")
+            return super().construct_mapping(node, deep=deep)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader
     except yaml.YAMLError as e:
         raise ValueError(" ".join(str(e).split())) from None
 
@@ -68,6 +88,12 @@ def config_argv(path, parser: argparse.ArgumentParser) -> list[str]:
         raise ValueError(f"--config {path}: unknown setting{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(map(str, unknown))} (keys are the demo's flag names, "
                          f"e.g. group_size or group-size)")
+    spelled = {}
+    for key in values:  # group_size and group-size (or a flag's alias) name one setting
+        option = by_name[str(key).replace("-", "_")][0]
+        if option in spelled:
+            raise ValueError(f"--config {path}: {spelled[option]} and {key} both set {option}")
+        spelled[option] = key
     argv = []
     for key, value in values.items():
         option, action = by_name[str(key).replace("-", "_")]
