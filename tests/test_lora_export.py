@@ -111,6 +111,10 @@ def test_a_lora_train_state_exports_its_adapters_and_mismatches_are_refused(tmp_
         save_peft_adapter(tmp_path / "b", LLAMA, state)
     with pytest.raises(TypeError, match="LoRA TrainState or an"):
         save_peft_adapter(tmp_path / "b", QWEN2, state.params)
+    nan = dict(state.params, wv=dict(state.params["wv"], b=state.params["wv"]["b"].at[
+        1, 0, 0].set(np.nan)))
+    with pytest.raises(ValueError, match=r"NaN or Inf \(wv.b\); nothing written"):
+        save_peft_adapter(tmp_path / "b", QWEN2, (nan, qv))
     assert not (tmp_path / "b").exists()
 
 

@@ -78,8 +78,8 @@ def save_peft_adapter(path, config: ModelConfig, source, *,
                       base_model_name_or_path=None) -> pathlib.Path:
     """Writes `source` (a LoRA TrainState, or an (adapters, LoraConfig) pair) as a PEFT
     adapter directory at `path` (created; the two adapter files replaced, others left).
-    Returns the directory. ValueError (one line) unless the adapters fit `config` and are
-    exactly the LoraConfig's targets at its rank."""
+    Returns the directory. ValueError (one line), nothing written, unless the adapters fit
+    `config`, are exactly the LoraConfig's targets at its rank, and are finite."""
     adapters, lora = _adapters_and_config(source)
     check_adapters(config, adapters)
     want = {HF_NAMES[t] for t in lora.targets}
@@ -89,6 +89,10 @@ def save_peft_adapter(path, config: ModelConfig, source, *,
     rank = next(iter(adapters.values()))["a"].shape[-1]
     if rank != lora.rank:
         raise ValueError(f"the adapters have rank {rank}, the LoraConfig rank {lora.rank}")
+    bad = sorted(f"{name}.{part}" for name, ab in adapters.items() for part, x in ab.items()
+                 if not np.isfinite(np.asarray(x)).all())
+    if bad:
+        raise ValueError(f"the adapters hold NaN or Inf ({', '.join(bad)}); nothing written")
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(peft_state_dict(adapters), path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
