@@ -157,6 +157,14 @@ def test_demo_end_to_end_through_hf_directories_and_resume(tmp_path):
     assert rows[3]["lr"] == pytest.approx(float(schedule(3)))
 
 
+def test_warmup_steps_0_trains_at_the_learning_rate_from_the_first_update():
+    """--warmup-steps 0 took one step at lr 0 (the schedule's warmup was at least 1)."""
+    none = demo._lr_schedule(demo.DemoOptions(lr=2e-5, warmup_steps=0))
+    assert [float(none(v)) for v in (0, 1, 7)] == pytest.approx([2e-5] * 3)
+    three = demo._lr_schedule(demo.DemoOptions(lr=2e-5, warmup_steps=3))
+    assert [float(three(v)) for v in (0, 1, 3, 9)] == pytest.approx([0, 2e-5 / 3, 2e-5, 2e-5])
+
+
 @pytest.mark.parametrize("policy", ["recompute", pytest.param("keep", marks=pytest.mark.slow)])
 def test_async_demo_trains_within_the_lag_and_audits_every_token(tmp_path, policy):
     out = tmp_path / "async"
@@ -284,6 +292,22 @@ def test_signal_stops_after_the_current_step_and_saves(tmp_path, monkeypatch, si
     summary = demo.run_demo(demo.DemoOptions(out=str(out), **dict(SMALL, steps=10)))
     assert summary["interrupted"] and summary["final_version"] == 2
     assert len(read_rows(out)) == 2 and latest_checkpoint_version(out / "checkpoints") == 2
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_cli_run_stopped_by_a_signal_exits_128_plus_its_number(tmp_path, monkeypatch,
+                                                                    capsys, sig, status):
+    """A calling script can tell a stopped run from a finished one (which exits 0)."""
+    real = loop.train_step
+
+    def interrupting(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", interrupting)
+    out = tmp_path / "run"
+    assert cli.main(["demo", "--out", str(out), "--steps", "5", *SMALL_ARGS]) == status
+    assert "(interrupted)" in capsys.readouterr().out and len(read_rows(out)) == 1
 
 
 def test_second_ctrl_c_aborts_but_keeps_the_last_checkpoint(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "of every sample -> train_step -> sync_weights. Writes to --out: "
                               "run.json, metrics.jsonl, demo.png, checkpoints/, sft_model/, "
                               "final_model/ (the exported policy). Ctrl-C or SIGTERM stops "
-                              "after the current step and saves; --resume continues."))
+                              "after the current step and saves; --resume continues. Exit "
+                              "status: 0 done, 1 an audit failed, 2 bad input, 130 stopped "
+                              "by Ctrl-C (143 by SIGTERM)."))
     from jaxrl_cache.app.options import DemoOptions  # no jax: --help stays fast
     d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(DemoOptions)})
     demo.add_argument("--config", metavar="FILE", help="read settings from a YAML or JSON "
@@ -343,7 +346,9 @@ def _demo(args) -> int:
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
         ("exported policy (HF)", s["exported"]),
     ], "jaxrl-cache demo summary" + (" (interrupted)" if s["interrupted"] else ""))
-    return 0 if s["audit_failures"] == 0 else 1
+    if s["audit_failures"]:
+        return 1
+    return 128 + signal.Signals[s["stopped_by"]].value if s["stopped_by"] else 0
 
 
 def _bench(args) -> int:

@@ -86,7 +86,9 @@ def _optimizer(opts: DemoOptions):
 
 def _lr_schedule(opts: DemoOptions):
     lr = opts.lr or (3e-4 if opts.env else 1e-3)
-    return optax.warmup_constant_schedule(0.0, lr, max(opts.warmup_steps, 1))
+    if opts.warmup_steps == 0:  # the first update at lr itself (not a step at lr 0)
+        return optax.constant_schedule(lr)
+    return optax.warmup_constant_schedule(0.0, lr, opts.warmup_steps)
 
 
 def builtin_model_config(vocab_size: int) -> ModelConfig:
@@ -779,4 +781,5 @@ def _summary(opts: DemoOptions, task, loaded: _Loaded, rows: list, start_step: i
         devices=loaded.devices, syncs=len(syncs), sync_bytes=mean("sync_bytes", syncs),
         sync_seconds_median=float(np.median([r["sync_seconds"] for r in syncs]))
         if syncs else 0.0,
-        out=str(run.path), exported=str(exported), interrupted=stop.requested is not None)
+        out=str(run.path), exported=str(exported), interrupted=stop.requested is not None,
+        stopped_by=stop.requested)
