@@ -192,12 +192,31 @@ def _exits(meta, sample, text):
     raise SystemExit(3)
 
 
+def _cancelled(meta, sample, text):
+    import asyncio
+    raise asyncio.CancelledError("cancelled")
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+def _unprintable(meta, sample, text):
+    raise _Unprintable()
+
+
 @pytest.mark.parametrize("reward,match", [
     (RewardFn(_boom), r"'_boom' on sample 4 \(group 2\): raised ZeroDivisionError: "
                       r"division by zero$"),
     (RewardFn(_boom, concurrent=True), r"'_boom' on sample 4 \(group 2\): raised "
                                        r"ZeroDivisionError"),
     (RewardFn(_exits, concurrent=True), r"'_exits' on sample \d .*raised SystemExit: 3"),
+    (RewardFn(_cancelled), r"'_cancelled' on sample 0 .*raised CancelledError: cancelled"),
+    (RewardFn(_cancelled, concurrent=True), r"'_cancelled' on sample \d .*CancelledError"),
+    (RewardFn(_unprintable), r"'_unprintable' on sample 0 .*raised _Unprintable: \(its "
+                             r"message could not be read\)"),
+    (RewardFn(_unprintable, concurrent=True), r"raised _Unprintable: \(its message"),
     (RewardFn(lambda m, s, t: math.nan if t == "x 3" else 1.0, name="nan"),
      r"'nan' on sample 3 \(group 1\): its value must be finite, got nan"),
     (RewardFn(lambda *_: "1.0", name="text"), r"'text' on sample 0 .*must be a real number, "

@@ -52,8 +52,8 @@ from jaxrl_cache.errors import RewardError
 
 POLL_S = 0.1  # the calling thread checks timeouts (and Ctrl-C) at least this often
 DEFAULT_WORKERS = 8
-MAIN = (Exception, SystemExit)  # a call on the calling thread: what is the code's fault (a
-#   KeyboardInterrupt there is a real Ctrl-C, and propagates)
+MAIN = True  # _outcome of a call on the calling thread: every BaseException is the code's
+#   fault (SystemExit, asyncio.CancelledError, ...) but KeyboardInterrupt, a real Ctrl-C there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +157,28 @@ class Rewards:
         return _combine(step, self.fns, per_fn, n)
 
 
-def _outcome(thunk: Callable, catch=BaseException) -> tuple:
+def _outcome(thunk: Callable, main: bool = False) -> tuple:
     """(True, value) or (False, the exception caught). Worker threads never receive
     signals, so there every BaseException is the code's own (SystemExit from a tool, a
-    KeyboardInterrupt it raised)."""
+    KeyboardInterrupt it raised); on the calling thread (`main`) a KeyboardInterrupt is a
+    real Ctrl-C and propagates."""
     try:
         return True, thunk()
-    except catch as e:  # noqa: BLE001 -- reported as the function's failure
+    except KeyboardInterrupt as e:
+        if main:
+            raise
         return False, e
+    except BaseException as e:  # noqa: BLE001 -- reported as the function's failure
+        return False, e
+
+
+def _message(e: BaseException) -> str:
+    """The first line of str(e), or a note when its __str__ itself raises."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 -- user code: its __str__ may raise
+        return "(its message could not be read)"
+    return text.splitlines()[0] if text.strip() else ""
 
 
 def _where(f: RewardFn, i: int | None, items) -> str:
@@ -180,9 +194,8 @@ def _checked(step: int, f: RewardFn, i: int | None, items, outcome: tuple):
         if isinstance(value, _Timeout):
             raise RewardError(f"step {step}: {_where(f, i, items)}: took more than "
                               f"{f.timeout:g} s (its timeout)")
-        text = str(value).splitlines()[0] if str(value).strip() else ""
         raise RewardError(f"step {step}: {_where(f, i, items)}: raised "
-                          f"{type(value).__name__}: {text:.200}")
+                          f"{type(value).__name__}: {_message(value):.200}")
     if i is not None:
         return _value(step, f, i, items, value)
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
@@ -212,7 +225,8 @@ def _batch_kwargs(step: int, columns: Callable | None, items, decode: Callable) 
         ok, row = _outcome(lambda: {} if columns is None else dict(columns(meta, sample)),
                            MAIN)
         if not ok or any(not isinstance(k, str) for k in row):
-            why = f"raised {type(row).__name__}: {row}" if not ok else "gave a non-str key"
+            why = f"raised {type(row).__name__}: {_message(row)}" if not ok else \
+                "gave a non-str key"
             raise RewardError(f"step {step}: Rewards.columns on sample {i} (group "
                               f"{sample.group}): {why:.200}")
         rows.append(row)
@@ -351,9 +365,5 @@ def _import(spec: str, module: str):
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 -- the user's module (SystemExit too): one line
-        try:
-            text = str(e).splitlines()[0] if str(e).strip() else ""
-        except Exception:  # noqa: BLE001 -- an exception whose __str__ raises
-            text = "(its message could not be read)"
         raise ValueError(f"--reward {spec!r}: importing {module} failed: "
-                         f"{type(e).__name__}: {text:.200}") from None
+                         f"{type(e).__name__}: {_message(e):.200}") from None
