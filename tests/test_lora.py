@@ -188,6 +188,22 @@ def test_checkpoint_free_dropout_refusal_reaches_train_state(base):
                           config=CONFIG, lora=ALL)
 
 
+def test_adapters_that_cannot_fit_are_refused_before_any_allocation(base, monkeypatch):
+    """rank 10**9 raised XLA's RESOURCE_EXHAUSTED; now one line with the numbers. The
+    estimate is the bytes init_adapters makes x 4 (params, Adam's moments, a gradient)."""
+    from jaxrl_cache.rl import train
+    made = lora.init_adapters(CONFIG, ALL, jax.random.key(0))
+    assert lora.fresh_adapter_bytes(CONFIG, ALL) == sum(x.nbytes for x in jax.tree.leaves(made))
+    need = 4 * lora.fresh_adapter_bytes(CONFIG, ALL)
+    with pytest.raises(train.TrainMemoryError, match=r"LoRA rank 1000000000: .* GiB"):
+        TrainState.create(base, config=CONFIG, lora=dataclasses.replace(ALL, rank=10**9))
+    monkeypatch.setattr(train, "available_bytes", lambda: need - 1)
+    with pytest.raises(train.TrainMemoryError, match="a smaller rank or fewer targets"):
+        TrainState.create(base, config=CONFIG, lora=ALL)
+    monkeypatch.setattr(train, "available_bytes", lambda: need)
+    TrainState.create(base, config=CONFIG, lora=ALL)  # exactly fits
+
+
 def test_kl_to_the_base_is_exactly_zero_at_version_0_and_grows_after(base):
     """The base is the natural KL reference: zero-initialised B makes version 0 the base
     bit for bit, so the k3 KL is exactly 0 before the first update and positive after."""

@@ -40,14 +40,17 @@ from optax import tree_utils as otu
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig
-from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters, check_adapters,
-                                     frozen_part as lora_frozen_part, init_adapters)
+from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters,
+                                     check_adapters, fresh_adapter_bytes,
+                                     frozen_part as lora_frozen_part,
+                                     init_adapters)
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.audit import AUDIT_MAXED, step_audit_sums
 from jaxrl_cache.rl.batch import TrainBatch, pack_batch
 from jaxrl_cache.rl.logprobs import knobs_of, token_log_probs
 from jaxrl_cache.rl.loss import MAXED, policy_loss
-from jaxrl_cache.rl.memory import check_memory, resolve_remat
+from jaxrl_cache.rl.memory import (TrainMemoryError, available_bytes, check_memory,
+                                   resolve_remat)
 from jaxrl_cache.rl.packing import PackedBatch
 from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.versioning import MAX_VERSION, as_version
@@ -89,6 +92,16 @@ def optimizer_counts(opt_state) -> list[int]:
     return [int(c) for _, c in otu.tree_get_all_with_path(opt_state, "count")]
 
 
+def _check_adapters_fit(config: ModelConfig, lora: LoraConfig) -> None:
+    """TrainMemoryError (one line) when fresh adapters and their optimizer state (params,
+    Adam's two moments, a gradient: 4x) exceed the available memory, before allocating."""
+    need, have = 4 * fresh_adapter_bytes(config, lora), available_bytes()
+    if have is not None and need > have:
+        raise TrainMemoryError(f"LoRA rank {lora.rank}: the adapters and their optimizer "
+                               f"state need ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB "
+                               f"available; a smaller rank or fewer targets")
+
+
 @flax.struct.dataclass
 class TrainState:
     """params: what the optimizer trains (the whole model, or with `lora` only the
@@ -124,6 +137,7 @@ class TrainState:
                 raise TypeError(f"lora must be a LoraConfig, got {type(lora).__name__}")
             frozen = lora_frozen_part(params, lora)
             if adapters is None:
+                _check_adapters_fit(config, lora)
                 adapters = init_adapters(config, lora, jax.random.key(0) if rng is None else rng)
             check_adapters(config, adapters)
             params = adapters
