@@ -362,6 +362,8 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
     (["demo", "--steps", "0"], "positive integer"),
     (["demo", "--lr", "abc"], "positive number"),
     (["demo", "--lr", "nan"], "positive number"),
+    (["demo", "--temperature", "1e-20"], "--temperature 1e-20 is below 1e-15: the policy "
+                                         "gradient scales as 1 / temperature"),
     (["demo", "--backend", "tpu"], "invalid choice"),
     (["demo", "--group-size", "1"], "group-size must be >= 2"),
     (["demo", "--seed", str(2**70)], "--seed must be an integer in [0, 2**32 - 1]"),

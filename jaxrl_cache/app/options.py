@@ -16,6 +16,10 @@ MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_
 MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
 # kernels_pallas.KERNEL_CHOICES (JAXRL_CACHE_KERNELS), spelled here: this module imports no jax
 KERNELS = ("xla", "pallas", "interpret")
+# The smallest training temperature above 0 (greedy): the gradient of log-probs of
+# logits / T scales as 1 / T and its squared norm overflows float32 below ~1e-19 (measured:
+# 1e-18 trains, 1e-20 gives a NaN gradient norm); 1e-15 keeps a 1,000x margin.
+MIN_TRAIN_TEMPERATURE = 1e-15
 RESUMABLE = ("steps", "checkpoint_every", "eval_every", "report_to")  # may change on resume
 NOT_SETTINGS = ("resume", "overwrite", "out")  # how to run, not what: never compared
 
@@ -125,6 +129,11 @@ class DemoOptions:
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"--temperature must be a finite number >= 0, got "
                              f"{self.temperature}")
+        if 0 < self.temperature < MIN_TRAIN_TEMPERATURE:
+            raise ValueError(f"--temperature {self.temperature:g} is below "
+                             f"{MIN_TRAIN_TEMPERATURE:g}: the policy gradient scales as "
+                             f"1 / temperature and its norm overflows float32 (NaN at 1e-20); "
+                             f"0 samples greedily")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"--seed must be an integer in [0, 2**32 - 1], got {self.seed!r}")
