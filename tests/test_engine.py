@@ -424,7 +424,9 @@ def test_prompts_sharing_more_pages_reuse_the_compiled_shared_width():
 
 
 def test_resident_params_are_copies_of_the_callers_arrays():
-    """numpy leaves mutated and jax leaves deleted after the sync change nothing."""
+    """numpy leaves mutated and jax leaves deleted after the sync change nothing the engine
+    computes; the mutated arrays themselves are other params at that version (numpy is
+    fingerprinted again, never taken as unchanged by identity): refused."""
     params = varied_params(0)
     want = [dense_greedy(params, CONFIG, p, 7)[0] for p in PROMPTS]
     mine = jax.tree.map(lambda x: np.array(x), params)  # numpy: device_put may alias these
@@ -432,7 +434,9 @@ def test_resident_params_are_copies_of_the_callers_arrays():
     engine.sync_weights(mine, 0)
     for leaf in jax.tree.leaves(mine):
         leaf[...] = 0.0
-    batch = engine.rollout(mine, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    with pytest.raises(VersionError, match="already synced with different params"):
+        engine.rollout(mine, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
+    batch = engine.rollout(params, 0, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [list(s.output_ids) for s in batch.samples[::2]] == want
     other = jax.tree.map(jnp.array, varied_params(1))
     engine.sync_weights(other, 1)
@@ -661,7 +665,8 @@ _JUNK_ENGINE.sync_weights(_JUNK_PARAMS, 0)
 def test_borrowing_host_arrays_copies_them_and_says_so():
     """sync_weights(numpy params, borrow=True): device_put may alias a numpy array on CPU,
     so host leaves are copied, never lent; editing the caller's arrays afterwards changes
-    nothing the engine computes; the ack names the copied leaves and splits the bytes."""
+    nothing the engine computes (the edited arrays are refused at that version, the synced
+    values still served); the ack names the copied leaves and splits the bytes."""
     engine = make_engine()
     host = jax.tree.map(np.array, varied_params(1))  # writable numpy leaves
     mixed = {**host, "embed": jnp.array(host["embed"])}  # one device leaf, lendable
@@ -673,7 +678,9 @@ def test_borrowing_host_arrays_copies_them_and_says_so():
     before = engine.rollout(mixed, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
     for x in jax.tree.leaves(host):
         x *= 3.0  # the caller edits its arrays in place (mixed holds the same objects)
-    after = engine.rollout(mixed, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    with pytest.raises(VersionError, match="already synced with different params"):
+        engine.rollout(mixed, 1, PROMPTS, GREEDY, rng=jax.random.key(0))
+    after = engine.rollout(varied_params(1), 1, PROMPTS, GREEDY, rng=jax.random.key(0))
     assert [s.output_ids for s in after.samples] == [s.output_ids for s in before.samples]
     for a, b in zip(jax.tree.leaves(after.samples[0].output_logprobs),
                     jax.tree.leaves(before.samples[0].output_logprobs)):

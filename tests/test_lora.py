@@ -179,6 +179,22 @@ def test_sync_moves_only_the_adapters_and_refuses_another_base(base):
         engine.sync_weights(state.replace(params=bad).model_params, 3)
 
 
+def test_a_numpy_base_edited_in_place_after_a_sync_is_refused(base):
+    """Version immutability holds for the frozen base: numpy arrays the caller edits in
+    place after a sync are fingerprinted again (only jax arrays, immutable, are taken as
+    unchanged by identity), so an adapters-only sync over the edited base is refused instead
+    of serving the old base under the new version."""
+    host = jax.tree.map(np.array, base)  # writable host copies
+    state = TrainState.create(host, config=CONFIG, lr_schedule=1e-3, lora=ALL)
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=128, page_size=8))
+    engine.sync_weights(state.model_params, 0)
+    engine.sync_weights(state.replace(params=_noisy(state.params)).model_params, 1)  # same
+    host["layers"]["wq"][0, 0, 0] += 1.0  # the base edited in place, the same objects
+    with pytest.raises(ValueError, match="different base model"):
+        engine.sync_weights(state.replace(params=_noisy(state.params, 2)).model_params, 2)
+    assert engine.version == 1
+
+
 def test_checkpoint_free_dropout_refusal_reaches_train_state(base):
     with pytest.raises(ValueError, match="dropout"):
         TrainState.create(base, config=CONFIG, lora=dataclasses.replace(ALL, dropout=0.1))

@@ -91,11 +91,14 @@ class _Call(NamedTuple):
 
 def _same_leaves(tree, leaves) -> bool:
     """True iff `tree` (a param dict) has the very objects in `leaves` as its leaves (held,
-    so ids stay unique); anything but a mapping is not flattened and gives False."""
+    so ids stay unique) and every one is a jax.Array (immutable: a numpy array may have
+    been edited in place since, so it is fingerprinted again); anything but a mapping is not
+    flattened and gives False."""
     if not isinstance(tree, Mapping):
         return False
     mine = jax.tree.leaves(tree)
-    return len(mine) == len(leaves) and all(a is b for a, b in zip(mine, leaves))
+    return len(mine) == len(leaves) and all(a is b and isinstance(a, jax.Array)
+                                            for a, b in zip(mine, leaves))
 
 
 _GOLDEN = 2654435761  # the position weight's multiplier (Knuth's multiplicative hash)
