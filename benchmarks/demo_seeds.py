@@ -27,10 +27,10 @@ PATHS = {"native": None, "avx2": "--xla_cpu_max_isa=AVX2"}
 
 
 def cpu_model() -> str:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+    for line in info.splitlines():
         if line.startswith("model name"):
-            flags = pathlib.Path("/proc/cpuinfo").read_text()
-            return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in flags
+            return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in info
                                                      else " (AVX2, no AVX-512)")
     return platform.processor() or "unknown"
 

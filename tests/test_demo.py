@@ -668,7 +668,8 @@ def test_a_run_interrupted_at_a_random_step_resumes_to_the_uninterrupted_run(
     demo.run_demo(demo.DemoOptions(out=str(whole), **opts))
 
     real = loop.train_step
-    stop_at = int(os.environ.get("JAXRL_RESUME_STOP_AT", random.Random().randint(0, opts["steps"] - 2)))  # the step SIGINT arrives in
+    stop_at = int(os.environ.get(  # the step SIGINT arrives in
+        "JAXRL_RESUME_STOP_AT", random.Random().randint(0, opts["steps"] - 2)))
     calls = {"n": 0}
 
     def interrupting(*args, **kwargs):

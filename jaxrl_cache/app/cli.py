@@ -112,8 +112,8 @@ def _policy_arguments(add) -> None:
         "writing (c:123*456); the warm start teaches the tool format, rewards come from the "
         "environment, every sampled token of every turn is audited (built-in model only)")
     add("--answer-regex", metavar="REGEX", help="with --task: the completion's answer is the "
-        "last match of REGEX (its first group that took part, if any); no match scores 0 [numeric and "
-        "math-verify checks: the last \\boxed{...} or '#### ...' line, else the whole "
+        "last match of REGEX (its first group that took part, if any); no match scores 0 "
+        "[numeric and math-verify checks: the last \\boxed{...} or '#### ...' line, else the whole "
         "completion; exact: the whole completion (whitespace stripped)]")
     add("--answer-check", choices=["exact", "numeric", "math-verify"], help="with --task: "
         "how the answer is compared with the reference (reward 1 or 0): exact strings; "

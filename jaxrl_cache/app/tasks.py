@@ -6,8 +6,8 @@ with the answer:
 - exact match (default): 1.0 if the completion equals the answer, both stripped of
   surrounding whitespace, else 0.0;
 - with `answer_regex`: the last match of the regex in the completion (its first group that
-  took part in the match, else the whole match) is compared the same way; no match scores 0.0. GSM8K-style
-  tasks use e.g. `####\\s*(-?[\\d,.]+)`;
+  took part in the match, else the whole match) is compared the same way; no match scores
+  0.0. GSM8K-style tasks use e.g. `####\\s*(-?[\\d,.]+)`;
 - `check="numeric"` (the demo's default for a task file) compares the final answer (the
   regex's match, else the last `\\boxed{}` / `####`) with the answer as numbers (`72.`,
   `1,000`, `3/4`, `\\frac{3}{4}`), `check="math-verify"` through math-verify (the `math`

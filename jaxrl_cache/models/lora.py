@@ -77,13 +77,6 @@ def _shapes(config: ModelConfig) -> dict:
             "w_up": (d, f), "w_down": (f, d)}
 
 
-def fresh_adapter_bytes(config: ModelConfig, lora: LoraConfig) -> int:
-    """Bytes of the adapters `init_adapters` makes: n_layers x (in + out) x rank per target."""
-    shapes = _shapes(config)
-    return config.n_layers * lora.rank * jnp.dtype(config.dtype).itemsize * sum(
-        sum(shapes[HF_NAMES[t]]) for t in lora.targets)
-
-
 def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:
     """Fresh adapters as PEFT initialises them: A uniform in +-1/sqrt(in) (kaiming-uniform
     with a = sqrt(5)), B zero, so the model starts as the base exactly.

@@ -13,7 +13,8 @@ for the optional math-verify check (the `math` extra).
 - `answer_score(completion, reference, check=, answer_regex=)` -> 1.0, 0.0 or None (the
   reference cannot be read; math-verify only). The checks (`CHECKS`):
   - "exact": the completion (or the regex's last match: its first group that took part
-    in the match, else the whole match) equals the reference, both stripped; no match scores 0.0;
+    in the match, else the whole match) equals the reference, both stripped; no match
+    scores 0.0;
   - "numeric": the candidate is the regex's last match, else `final_answer`, else the
     whole completion; the reference is its own `final_answer` (a GSM8K solution ends in
     `#### 72`) or itself. Equal as numbers when both parse (exactly: 1/3 != 0.333), else as

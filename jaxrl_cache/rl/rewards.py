@@ -52,8 +52,6 @@ from jaxrl_cache.errors import RewardError
 
 POLL_S = 0.1  # the calling thread checks timeouts (and Ctrl-C) at least this often
 DEFAULT_WORKERS = 8
-MAIN = True  # _outcome of a call on the calling thread: every BaseException is the code's
-#   fault (SystemExit, asyncio.CancelledError, ...) but KeyboardInterrupt, a real Ctrl-C there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +144,7 @@ class Rewards:
         try:
             for j, (f, i) in enumerate(jobs):
                 if not f.concurrent:
-                    values[j] = _checked(step, f, i, items, _outcome(thunks[j], MAIN))
+                    values[j] = _checked(step, f, i, items, _outcome(thunks[j], main=True))
             for j, outcome in pool.outcomes({j: f.timeout for j, (f, _) in enumerate(jobs)}):
                 values[j] = _checked(step, jobs[j][0], jobs[j][1], items, outcome)
         finally:
@@ -223,7 +221,7 @@ def _batch_kwargs(step: int, columns: Callable | None, items, decode: Callable) 
     rows = []
     for i, (meta, sample, _) in enumerate(items):
         ok, row = _outcome(lambda: {} if columns is None else dict(columns(meta, sample)),
-                           MAIN)
+                           main=True)
         if not ok or any(not isinstance(k, str) for k in row):
             why = f"raised {type(row).__name__}: {_message(row)}" if not ok else \
                 "gave a non-str key"

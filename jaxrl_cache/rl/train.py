@@ -40,10 +40,8 @@ from optax import tree_utils as otu
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.llama import ModelConfig
-from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters,
-                                     check_adapters, fresh_adapter_bytes,
-                                     frozen_part as lora_frozen_part,
-                                     init_adapters)
+from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters, check_adapters,
+                                     frozen_part as lora_frozen_part, init_adapters)
 from jaxrl_cache.parallel.mesh import DATA, FSDP
 from jaxrl_cache.rl.audit import AUDIT_MAXED, step_audit_sums
 from jaxrl_cache.rl.batch import TrainBatch, pack_batch
@@ -95,7 +93,9 @@ def optimizer_counts(opt_state) -> list[int]:
 def _check_adapters_fit(config: ModelConfig, lora: LoraConfig) -> None:
     """TrainMemoryError (one line) when fresh adapters and their optimizer state (params,
     Adam's two moments, a gradient: 4x) exceed the available memory, before allocating."""
-    need, have = 4 * fresh_adapter_bytes(config, lora), available_bytes()
+    shapes = jax.eval_shape(lambda: init_adapters(config, lora, jax.random.key(0)))  # no memory
+    need = 4 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    have = available_bytes()
     if have is not None and need > have:
         raise TrainMemoryError(f"LoRA rank {lora.rank}: the adapters and their optimizer "
                                f"state need ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB "
