@@ -3,6 +3,8 @@ sample, concurrent calls that really overlap (barriers, not clocks), bounded thr
 timeouts, one-line errors naming the function and the sample, --reward specs, and
 grpo_step training on the weighted sum / training nothing when a reward fails."""
 import math
+import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -14,7 +16,8 @@ import pytest
 from jaxrl_cache.errors import RewardError
 from jaxrl_cache.rl.batch import make_batch
 from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
-from jaxrl_cache.rl.rewards import RewardFn, Rewards, batched, load_reward
+from jaxrl_cache.rl.rewards import RewardFn, Rewards, _outcome, batched, load_reward
+from tests import process_rewards
 from jaxrl_cache.rl.train import train_step
 
 TEXTS = ["7", "12", "", "x 3", "boom", "41", "1,000", "9"]
@@ -182,6 +185,75 @@ def test_a_timeout_counts_from_the_calls_start():
     assert s.totals == [1.0] * len(TEXTS)
 
 
+
+def _hold_gil_for(seconds: float) -> None:
+    """Busy Python with a 1000 s switch interval: no other thread runs until it returns,
+    as in a C call that holds the GIL (a regex), on any CPU."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_a_call_that_held_the_gil_past_its_timeout_still_fails_the_step():
+    """The calling thread cannot look while a reward holds the GIL; the call's own thread
+    measures it, so a late call is never accepted because its answer came first."""
+    def greedy(meta, sample, text):
+        if sample.prompt_ids[1] == 6:
+            _hold_gil_for(0.6)
+        return 0.0
+
+    with pytest.raises(RewardError, match=r"'greedy' on sample 6 \(group 3\): took more "
+                                          r"than 0.2 s"):
+        score(RewardFn(greedy, concurrent=True, timeout=0.2))
+
+
+def _finishes(fn, limit=120.0):
+    """fn() on a thread; its outcome, or a failure if it has not returned in `limit` s (a
+    liveness bound, not a timing: the call it guards would otherwise run for hours)."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_outcome(fn)), daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), "the step did not return: the timeout did not bound the call"
+    return out["r"]
+
+
+def test_process_rewards_are_killed_at_their_timeout():
+    """process=True: each call in a worker process, killed at its deadline, so a regex
+    that would hold the GIL for hours ends the step in one line; the next step runs on a
+    fresh worker; values, errors and crashes come back as from threads."""
+    ok, err = _finishes(lambda: score(RewardFn(process_rewards.catastrophic, process=True,
+                                               timeout=0.5)))
+    assert not ok and isinstance(err, RewardError)
+    assert str(err) == ("step 3: reward function 'catastrophic' on sample 4 (group 2): took "
+                        "more than 0.5 s (its timeout)")
+    s = score(RewardFn(process_rewards.length, process=True, timeout=30))
+    assert s.totals == [float(len(t)) for t in TEXTS]  # stdout noise did not corrupt it
+    pids = score(RewardFn(process_rewards.pid, process=True)).totals
+    assert os.getpid() not in pids and len(set(pids)) <= Rewards.__dataclass_fields__[
+        "workers"].default
+    for fn, match in [(process_rewards.raises, r"on sample 3 \(group 1\): raised KeyError: "
+                                                r"'no such column'$"),
+                      (process_rewards.exits, r"on sample \d .*raised SystemExit: 5$"),
+                      (process_rewards.crashes, r"on sample 2 \(group 1\): raised ChildDied: "
+                                                r"its worker process ended mid-call \(exit "
+                                                r"code 7\)")]:
+        with pytest.raises(RewardError, match=match):
+            score(RewardFn(fn, process=True))
+    ok, err = _finishes(lambda: score(RewardFn(process_rewards.hangs, process=True,
+                                               timeout=0.3)))
+    assert "'hangs' on sample 1 (group 0): took more than 0.3 s" in str(err)
+    with pytest.raises(ValueError, match=r"'<lambda>': process=True sends the function to a "
+                                         r"worker process by name"):
+        RewardFn(lambda *_: 1.0, process=True)
+    assert RewardFn(process_rewards.pid, process=True).concurrent  # process implies it
+
+
 def _boom(meta, sample, text):
     if text == "boom":
         raise ZeroDivisionError("division by zero\nsecond line")
@@ -278,6 +350,9 @@ def test_load_reward_specs(tmp_path):
         "def fmt(completions, **kwargs):\n"
         "    return [float(c.startswith('<')) for c in completions]\n"
         "judge = RewardFn(lambda m, s, t: 1.0, name='judge', concurrent=True, timeout=5)\n"
+        "def _chars(m, s, t):\n    return float(len(t) + BONUS)\n"
+        "BONUS = 100\n"
+        "isolated = RewardFn(_chars, name='chars', process=True, timeout=30)\n"
         "NUMBER = 3\n")
     f = load_reward(f"{path}:fmt=0.25")
     assert (f.name, f.weight, f.batched, f.concurrent) == ("fmt", 0.25, True, False)
@@ -285,6 +360,8 @@ def test_load_reward_specs(tmp_path):
     assert load_reward(f"{path}:fmt").fn is f.fn  # the file is loaded once
     j = load_reward(f"{path}:judge=2")
     assert (j.name, j.weight, j.batched, j.timeout) == ("judge", 2.0, False, 5.0)
+    iso = load_reward(f"{path}:isolated")  # the file is loaded in its worker process too
+    assert score(iso).totals == [len(t) + 100.0 for t in TEXTS]
     m = load_reward("jaxrl_cache.rl.answers:final_answer")
     assert m.name == "final_answer" and m.batched
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")

@@ -25,9 +25,13 @@ Invariants:
 - `concurrent=True` functions run their calls on at most `Rewards.workers` daemon threads
   while the others run serially on the calling thread (as in TRL: math-verify's
   signal-based timeout needs the main thread). Values are gathered by position, so the
-  rewards never depend on scheduling. `timeout` bounds a call from its start (time queued
-  excluded); a call past it keeps its thread until it returns (Python cannot stop one),
-  the step fails, and the process still exits.
+  rewards never depend on scheduling. `timeout` counts a call from its start (time queued
+  excluded) and a call past it fails the step: on threads, at its deadline while the GIL
+  is free, or when it returns if it held the GIL (C code, a regex: a thread cannot stop
+  it, nor can the calling thread look); the late thread runs on unread and the process
+  still exits. `process=True` (implies concurrent) runs each call in a worker process
+  (child_calls.py; the function must be a module-level def), killed at its deadline: the
+  one hard bound on wall time, for code that may hold the GIL.
 - The record gains `rewards/<name>/mean` and `rewards/<name>/std` (population std) over
   the samples each function applied to (NaN when none did).
 """
@@ -36,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import itertools
 import math
 import pathlib
+import pickle
 import queue
 import re
 import sys
@@ -47,6 +53,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl_cache.checks import as_bool, as_count, as_real
+from jaxrl_cache.child_calls import ChildCalls, ChildError, exception_line, register_file_module
 from jaxrl_cache.daemon_threads import DaemonThreads
 from jaxrl_cache.errors import RewardError
 
@@ -63,6 +70,7 @@ class RewardFn:
     batched: bool = False  # TRL's shape: one call per step with every sample
     concurrent: bool = False  # calls on the reward threads (the code must be thread-safe)
     timeout: float | None = None  # seconds per call, concurrent functions only
+    process: bool = False  # concurrent calls in worker processes, killed at the timeout
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -76,6 +84,15 @@ class RewardFn:
         object.__setattr__(self, "weight", as_real(self.weight, f"reward {name!r} weight"))
         as_bool(self.batched, f"reward {name!r} batched")
         as_bool(self.concurrent, f"reward {name!r} concurrent")
+        if as_bool(self.process, f"reward {name!r} process"):
+            object.__setattr__(self, "concurrent", True)
+            try:
+                pickle.dumps(self.fn)
+            except Exception as e:  # noqa: BLE001 -- any pickling failure: one line
+                raise ValueError(f"reward {name!r}: process=True sends the function to a "
+                                 f"worker process by name, so it must be a module-level def "
+                                 f"(not a lambda, a closure or a local function): "
+                                 f"{type(e).__name__}: {exception_line(e):.120}") from None
         if self.timeout is not None:
             if not self.concurrent:
                 raise ValueError(f"reward {name!r}: timeout needs concurrent=True (a call on "
@@ -136,15 +153,17 @@ class Rewards:
         kwargs = _batch_kwargs(step, self.columns, items, decode) \
             if any(f.batched for f in self.fns) else None
         jobs = [(f, i) for f in self.fns for i in ([None] if f.batched else range(n))]
-        thunks = [(lambda f=f, i=i: f.fn(**{k: list(v) for k, v in kwargs.items()})
-                   if i is None else f.fn(*items[i])) for f, i in jobs]  # own lists each
+        thunks = [_thunk(f, (items[i],) if i is not None else (),
+                         {k: list(v) for k, v in kwargs.items()} if i is None else {})
+                  for f, i in jobs]  # own lists each
         values = {}
         pool = _Pool({j: thunks[j] for j, (f, _) in enumerate(jobs) if f.concurrent},
                      self.workers)
         try:
             for j, (f, i) in enumerate(jobs):
                 if not f.concurrent:
-                    values[j] = _checked(step, f, i, items, _outcome(thunks[j], main=True))
+                    values[j] = _checked(step, f, i, items,
+                                         _outcome(lambda: thunks[j](_nothing, None), main=True))
             for j, outcome in pool.outcomes({j: f.timeout for j, (f, _) in enumerate(jobs)}):
                 values[j] = _checked(step, jobs[j][0], jobs[j][1], items, outcome)
         finally:
@@ -153,6 +172,23 @@ class Rewards:
         for j, (f, i) in enumerate(jobs):
             per_fn[f.name] += values[j] if i is None else [values[j]]
         return _combine(step, self.fns, per_fn, n)
+
+
+_CHILDREN = ChildCalls()  # the worker processes of process=True functions, reused
+
+
+def _thunk(f: RewardFn, args: tuple, kwargs: dict) -> Callable:
+    """(started, key) -> f's value on (*args[0], **kwargs): `started()` marks the call's
+    start (for a process function: once its worker has loaded it); `key` names the call
+    for `_CHILDREN.kill`."""
+    args = args[0] if args else ()
+    if f.process:
+        return lambda started, key: _CHILDREN.call(key, started, f.fn, *args, **kwargs)
+    return lambda started, key: (started(), f.fn(*args, **kwargs))[1]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _outcome(thunk: Callable, main: bool = False) -> tuple:
@@ -170,15 +206,6 @@ def _outcome(thunk: Callable, main: bool = False) -> tuple:
         return False, e
 
 
-def _message(e: BaseException) -> str:
-    """The first line of str(e), or a note when its __str__ itself raises."""
-    try:
-        text = str(e)
-    except Exception:  # noqa: BLE001 -- user code: its __str__ may raise
-        return "(its message could not be read)"
-    return text.splitlines()[0] if text.strip() else ""
-
-
 def _where(f: RewardFn, i: int | None, items) -> str:
     if i is None:
         return f"reward function {f.name!r} on the batch of {len(items)} samples"
@@ -192,8 +219,9 @@ def _checked(step: int, f: RewardFn, i: int | None, items, outcome: tuple):
         if isinstance(value, _Timeout):
             raise RewardError(f"step {step}: {_where(f, i, items)}: took more than "
                               f"{f.timeout:g} s (its timeout)")
+        kind = value.type_name if isinstance(value, ChildError) else type(value).__name__
         raise RewardError(f"step {step}: {_where(f, i, items)}: raised "
-                          f"{type(value).__name__}: {_message(value):.200}")
+                          f"{kind}: {exception_line(value):.200}")
     if i is not None:
         return _value(step, f, i, items, value)
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
@@ -223,7 +251,7 @@ def _batch_kwargs(step: int, columns: Callable | None, items, decode: Callable) 
         ok, row = _outcome(lambda: {} if columns is None else dict(columns(meta, sample)),
                            main=True)
         if not ok or any(not isinstance(k, str) for k in row):
-            why = f"raised {type(row).__name__}: {_message(row)}" if not ok else \
+            why = f"raised {type(row).__name__}: {exception_line(row)}" if not ok else \
                 "gave a non-str key"
             raise RewardError(f"step {step}: Rewards.columns on sample {i} (group "
                               f"{sample.group}): {why:.200}")
@@ -271,25 +299,35 @@ class _Timeout(Exception):
     """A concurrent call past its timeout (reported by the calling thread)."""
 
 
+_POOL_TAGS = itertools.count()
+
+
 class _Pool:
     """`thunks` ({job: thunk}) run on `DaemonThreads`, `workers` at a time. The calling
     thread reads their outcomes in the order they finish (`outcomes`) and enforces each
-    job's timeout from its start; `stop` lets queued jobs go unrun."""
+    job's timeout from its start; `stop` lets queued jobs go unrun and kills the worker
+    processes of calls still running."""
 
     def __init__(self, thunks: dict, workers: int):
-        self.thunks, self.answers = thunks, queue.SimpleQueue()
+        self.thunks, self.answers, self.stopped = thunks, queue.SimpleQueue(), False
+        self.tag = next(_POOL_TAGS)  # names this pool's calls for _CHILDREN.kill
         self.threads = DaemonThreads(min(workers, len(thunks)), name="reward")
         for j in thunks:
             self.threads.submit(self._run, j, done=self.answers.put)
 
     def _run(self, j) -> tuple:
-        self.answers.put((j, "start", time.perf_counter()))
-        return j, "done", _outcome(self.thunks[j])
+        if self.stopped:
+            return j, "done", (False, _Timeout())  # never read
+        outcome = _outcome(lambda: self.thunks[j](
+            lambda: self.answers.put((j, "start", time.perf_counter())), (self.tag, j)))
+        return j, "done", (outcome, time.perf_counter())
 
     def outcomes(self, timeouts: dict):
         """Yields (job, outcome) as jobs finish; (job, (False, _Timeout())) for a job past
-        its timeout, judged only once every answer already sent is read (a calling thread
-        that was descheduled never mistakes a finished call for a late one)."""
+        its timeout: seen by the calling thread at its deadline, or measured by the call's
+        own thread when it returns (a call holding the GIL keeps the calling thread from
+        looking; a calling thread that was descheduled never mistakes a finished call for
+        a late one)."""
         started, left = {}, set(self.thunks)
         while left:
             deadlines = {j: started[j] + timeouts[j] for j in left
@@ -307,10 +345,16 @@ class _Pool:
                 started[j] = value
             elif j in left:
                 left.discard(j)
-                yield j, value
+                outcome, ended = value
+                over = timeouts[j] is not None and j in started and \
+                    ended - started[j] > timeouts[j]
+                yield j, (False, _Timeout()) if over else outcome
 
     def stop(self) -> None:
+        self.stopped = True
         self.threads.close()
+        for j in self.thunks:
+            _CHILDREN.kill((self.tag, j))
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -359,9 +403,10 @@ def _import(spec: str, module: str):
             except BaseException:
                 del sys.modules[key]
                 raise
+            register_file_module(key, str(path))  # process=True functions load it there
         return sys.modules[key]
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 -- the user's module (SystemExit too): one line
         raise ValueError(f"--reward {spec!r}: importing {module} failed: "
-                         f"{type(e).__name__}: {_message(e):.200}") from None
+                         f"{type(e).__name__}: {exception_line(e):.200}") from None
