@@ -15,6 +15,11 @@ def catastrophic(meta, sample, text):
     return 1.0
 
 
+def catastrophic_always(meta, sample, text):
+    CATASTROPHIC.match("a" * 40 + "b")
+    return 1.0
+
+
 def length(meta, sample, text):
     print("noise on stdout", text)  # must not reach the answers' pipe
     return float(len(text))
@@ -41,6 +46,30 @@ def exits(meta, sample, text):
 
 
 def hangs(meta, sample, text):
-    if sample.prompt_ids[1] == 1:
-        time.sleep(3600)
+    time.sleep(3600)
     return 0.0
+
+
+class Custom(BaseException):
+    """A BaseException that is neither Exception, SystemExit nor KeyboardInterrupt."""
+
+
+def raise_system_exit(meta, sample, text):
+    raise SystemExit(4)
+
+
+def raise_cancelled(meta, sample, text):
+    import asyncio
+    raise asyncio.CancelledError("cancelled")
+
+
+def raise_generator_exit(meta, sample, text):
+    raise GeneratorExit()
+
+
+def raise_custom(meta, sample, text):
+    raise Custom("custom")
+
+
+def raise_keyboard_interrupt(meta, sample, text):
+    raise KeyboardInterrupt()

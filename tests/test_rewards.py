@@ -4,6 +4,7 @@ timeouts, one-line errors naming the function and the sample, --reward specs, an
 grpo_step training on the weighted sum / training nothing when a reward fails."""
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -247,7 +248,7 @@ def test_process_rewards_are_killed_at_their_timeout():
             score(RewardFn(fn, process=True))
     ok, err = _finishes(lambda: score(RewardFn(process_rewards.hangs, process=True,
                                                timeout=0.3)))
-    assert "'hangs' on sample 1 (group 0): took more than 0.3 s" in str(err)
+    assert re.search(r"'hangs' on sample \d \(group \d\): took more than 0.3 s", str(err))
     with pytest.raises(ValueError, match=r"'<lambda>': process=True sends the function to a "
                                          r"worker process by name"):
         RewardFn(lambda *_: 1.0, process=True)
