@@ -595,7 +595,7 @@ def test_a_calibrated_demo_run_compares_bits_once_it_has_shown_exact_numerics(tm
     tokens reproduced bit for bit reach the evidence bound (lowered here from 1,024), the
     run gates at 0, recorded per step in metrics.jsonl."""
     from jaxrl_cache.rl import audit, loop
-    monkeypatch.setattr(loop, "tolerance_for", lambda engine: audit.CALIBRATED_TOLERANCE)
+    monkeypatch.setattr(audit, "tolerance_for", lambda engine: audit.CALIBRATED_TOLERANCE)
     init = loop.SyncRollouts.__init__
     monkeypatch.setattr(loop.SyncRollouts, "__init__",
                         lambda self, *a, **k: init(self, *a, **dict(k, exact_after=1)))

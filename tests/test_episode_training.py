@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_cache.rl.audit import audit_attribution
+from jaxrl_cache.rl.audit import AuditGate, audit_attribution
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.loop import PolicyHistory, grpo_step
 from jaxrl_cache.rl.packing import balanced_parts
@@ -280,10 +280,10 @@ def test_bad_loss_masks_are_refused(change, match):
 
 
 class FixedRollouts:
-    """The same calls every step; publish acknowledges the trainer's version."""
+    """The same calls every step of an exact engine; publish acknowledges the version."""
 
-    def __init__(self, parts):
-        self.parts = parts
+    def __init__(self, parts, gate: AuditGate = AuditGate()):
+        self.parts, self.gate = parts, gate
 
     def get(self, step, state):
         return self.parts

@@ -436,6 +436,7 @@ class _Counting:
     def __init__(self, parts):
         from tests.test_episode_training import FixedRollouts
         self.inner, self.gets, self.publishes = FixedRollouts(parts), 0, 0
+        self.gate = self.inner.gate
 
     def get(self, step, state):
         self.gets += 1

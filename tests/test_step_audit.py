@@ -193,9 +193,9 @@ def _noisy(batch, by: float):
         dataclasses.replace(e, logprobs=e.logprobs + np.float32(by)) for e in batch.episodes])
 
 
-class InexactRollouts(FixedRollouts):
+def inexact(parts, exact_after=audit.EXACT_EVIDENCE_TOKENS):
     """FixedRollouts of an engine `tolerance_for` calls inexact (a GPU, a mesh)."""
-    audit_tolerance, audit_floor = audit.CALIBRATED_TOLERANCE, None
+    return FixedRollouts(parts, audit.AuditGate.start(audit.CALIBRATED_TOLERANCE, exact_after))
 
 
 def test_tolerance_for_a_gpu_engine_is_calibrated():
@@ -217,62 +217,60 @@ def test_an_inexact_run_calibrates_its_tolerance_at_the_first_step():
     stale-sized error over it refuses the update. A first step off by more than the ceiling
     is no rounding noise: refused. An exact run stays at 0 with no floor."""
     batch = tasks(seed=11)
-    rollouts = InexactRollouts([("m", _noisy(batch, 2e-4))])
+    rollouts = inexact([("m", _noisy(batch, 2e-4))])
     r = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
     assert r["audit_tolerance"] == audit.CALIBRATION_CEILING
-    assert r["audit_floor"] == pytest.approx(2e-4, rel=0.05) == rollouts.audit_floor
-    assert rollouts.audit_tolerance == pytest.approx(2e-3, rel=0.05)
+    assert r["audit_floor"] == pytest.approx(2e-4, rel=0.05) == rollouts.gate.floor
+    assert rollouts.gate.tolerance == pytest.approx(2e-3, rel=0.05)
 
     rollouts.parts = [("m", _noisy(batch, 1.5e-3))]
     r = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
-    assert r["audit_tolerance"] == rollouts.audit_tolerance and r["audit_failed"] == 0
+    assert r["audit_tolerance"] == rollouts.gate.tolerance and r["audit_failed"] == 0
     rollouts.parts = [("m", _noisy(batch, 5e-3))]
     with pytest.raises(RuntimeError, match="flagged samples"):
         grpo_step(2, _state(), rollouts, None, decode=str, history=_history(0))
 
     with pytest.raises(RuntimeError, match="flagged samples"):
-        grpo_step(0, _state(), InexactRollouts([("m", _noisy(batch, 0.1))]), None,
+        grpo_step(0, _state(), inexact([("m", _noisy(batch, 0.1))]), None,
                   decode=str, history=_history(0))
-    quiet = InexactRollouts([("m", batch)])  # a floor of 0 keeps the minimum
+    quiet = inexact([("m", batch)])  # a floor of 0 keeps the minimum
     grpo_step(0, _state(), quiet, None, decode=str, history=_history(0))
-    assert quiet.audit_floor == 0.0 and quiet.audit_tolerance == audit.CALIBRATED_TOLERANCE
+    assert quiet.gate.floor == 0.0 and quiet.gate.tolerance == audit.CALIBRATED_TOLERANCE
     r = grpo_step(0, _state(), FixedRollouts([("m", batch)]), None, decode=str,
                   history=_history(0)).record
     assert r["audit_tolerance"] == 0.0 and r["audit_floor"] is None
 
 
-def test_a_calibrated_run_that_keeps_exact_bits_adopts_tolerance_0(monkeypatch):
+def test_a_calibrated_run_that_keeps_exact_bits_adopts_tolerance_0():
     """A calibrated run (a GPU, a mesh) counts the tokens its steps reproduce bit for bit;
     past rl.audit.EXACT_EVIDENCE_TOKENS with none off it compares bits, so an error far
     under the calibrated tolerance (stale KV after a small update) is then refused, and the
     error says why the tolerance is 0."""
-    from jaxrl_cache.rl import loop
     batch = tasks(seed=11)
-    rollouts = InexactRollouts([("m", batch)])
+    per_step = grpo_step(0, _state(), inexact([("m", batch)]), None, decode=str,
+                         history=_history(0)).record["audit_checked_tokens"]
+    rollouts = inexact([("m", batch)], exact_after=2 * per_step)
     first = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
-    per_step = first["audit_checked_tokens"]
     assert per_step > 0 and first["audit_exact_tokens"] == per_step
-    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE  # not enough evidence yet
-    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 2 * per_step)
+    assert rollouts.gate.tolerance == audit.CALIBRATED_TOLERANCE  # not enough evidence yet
     second = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
     assert second["audit_tolerance"] == audit.CALIBRATED_TOLERANCE  # this step's gate
-    assert second["audit_exact_tokens"] == 2 * per_step and rollouts.audit_tolerance == 0.0
+    assert second["audit_exact_tokens"] == 2 * per_step and rollouts.gate.tolerance == 0.0
     rollouts.parts = [("m", _noisy(batch, 1e-6))]  # 500x under the calibrated tolerance
     with pytest.raises(RuntimeError, match="flagged samples") as failure:
         grpo_step(2, _state(), rollouts, None, decode=str, history=_history(0))
     assert "at tolerance 0" in str(failure.value)
     assert any("reproduced all" in note for note in failure.value.__notes__)
-    assert rollouts.audit_exact_tokens == -1 and rollouts.audit_tolerance == 0.0  # ended
+    assert rollouts.gate.exact_tokens == -1 and rollouts.gate.tolerance == 0.0  # ended
 
 
 def test_exact_after_none_keeps_a_calibrated_run_calibrated():
     batch = tasks(seed=11)
-    rollouts = InexactRollouts([("m", batch)])
-    rollouts.audit_exact_after = None  # SyncRollouts(..., exact_after=None)
+    rollouts = inexact([("m", batch)], exact_after=None)  # SyncRollouts(..., exact_after=None)
     for step in range(3):
         r = grpo_step(step, _state(), rollouts, None, decode=str, history=_history(0)).record
     assert r["audit_exact_tokens"] == 3 * r["audit_checked_tokens"] > 0
-    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE
+    assert rollouts.gate.tolerance == audit.CALIBRATED_TOLERANCE
 
 
 def test_an_exact_engines_audit_failure_is_the_audit_error():
@@ -282,28 +280,23 @@ def test_an_exact_engines_audit_failure_is_the_audit_error():
     from jaxrl_cache.rl.loop import SyncRollouts
     engine = RolloutEngine(CONFIG, CacheConfig(num_pages=16, page_size=4))
     sync = SyncRollouts(engine, None, SamplingParams(), calls=1, key=jax.random.key(0))
-    assert sync.audit_tolerance == 0.0 and sync.audit_exact_tokens is None
-
-    class ExactRollouts(FixedRollouts):
-        audit_tolerance, audit_floor, audit_exact_tokens = 0.0, None, None
+    assert sync.gate == audit.AuditGate()  # tolerance 0, no count: never changes
     with pytest.raises(AuditError, match="flagged samples"):
-        grpo_step(0, _state(), ExactRollouts([("m", _noisy(tasks(seed=11), 1e-6))]), None,
+        grpo_step(0, _state(), FixedRollouts([("m", _noisy(tasks(seed=11), 1e-6))]), None,
                   decode=str, history=_history(0))
 
 
-def test_one_difference_keeps_a_calibrated_run_calibrated(monkeypatch):
+def test_one_difference_keeps_a_calibrated_run_calibrated():
     """A difference under the tolerance (rounding noise of an inexact sampler) ends the
     count for the run: later exact steps do not bring tolerance 0 back."""
-    from jaxrl_cache.rl import loop
     batch = tasks(seed=11)
-    monkeypatch.setattr(loop, "EXACT_EVIDENCE_TOKENS", 1)
-    rollouts = InexactRollouts([("m", _noisy(batch, 1e-5))])
+    rollouts = inexact([("m", _noisy(batch, 1e-5))], exact_after=1)
     r = grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0)).record
-    assert r["audit_exact_tokens"] == -1 and rollouts.audit_tolerance > 0
+    assert r["audit_exact_tokens"] == -1 and rollouts.gate.tolerance > 0
     rollouts.parts = [("m", batch)]
     r = grpo_step(1, _state(), rollouts, None, decode=str, history=_history(0)).record
     assert r["audit_exact_tokens"] == -1
-    assert rollouts.audit_tolerance == audit.CALIBRATED_TOLERANCE
+    assert rollouts.gate.tolerance == audit.CALIBRATED_TOLERANCE
 
 
 def test_exact_evidence_counts_until_the_first_difference():
@@ -312,3 +305,23 @@ def test_exact_evidence_counts_until_the_first_difference():
     assert audit.exact_evidence(100, 1e-9, 50) == -1
     assert audit.exact_evidence(-1, 0.0, 50) == -1
     assert audit.exact_evidence(10, float("inf"), 5) == -1
+
+
+def test_the_gate_is_a_value_the_rollouts_source_holds():
+    """grpo_step replaces the source's gate with a new value (never edits one in place); a
+    source without one is a one-line TypeError before any rollout."""
+    batch = tasks(seed=11)
+    start = audit.AuditGate.start(audit.CALIBRATED_TOLERANCE)
+    rollouts = FixedRollouts([("m", batch)], start)
+    grpo_step(0, _state(), rollouts, None, decode=str, history=_history(0))
+    assert start == audit.AuditGate.start(audit.CALIBRATED_TOLERANCE)  # untouched
+    assert rollouts.gate.floor == 0.0 and rollouts.gate.exact_tokens > 0
+
+    class NoGate:
+        def get(self, step, state):
+            raise AssertionError("rolled out without a gate")
+
+    with pytest.raises(TypeError, match="NoGate.gate must be an rl.audit.AuditGate"):
+        grpo_step(0, _state(), NoGate(), None, decode=str, history=_history(0))
+    with pytest.raises(ValueError, match="AuditGate.tolerance must be"):
+        audit.AuditGate(tolerance=float("nan"))

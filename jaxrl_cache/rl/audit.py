@@ -8,7 +8,9 @@ Every pass of it lives here:
 - `audit_attribution`: a separate teacher-forced pass, for tokens of older versions (async
   runs) and wherever the step's own forward does not reproduce the sampler (bf16 compute,
   several mini-batches);
-- `audit_step_calls`: which tokens which of the two checks, for a GRPO step's calls.
+- `audit_step_calls`: which tokens which of the two checks, for a GRPO step's calls;
+- `AuditGate`: a run's gate (tolerance, measured floor, exact-token count, adoption of 0),
+  a value the rollouts source holds and `grpo_step` replaces after each step.
 """
 from __future__ import annotations
 
@@ -100,6 +102,76 @@ def calibrated(floor: float) -> float:
     at least CALIBRATED_TOLERANCE, at most CALIBRATION_CEILING."""
     return float(min(max(CALIBRATION_MARGIN * floor, CALIBRATED_TOLERANCE),
                      CALIBRATION_CEILING))
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditGate:
+    """A run's attribution gate, a value (grpo_step asks it and replaces it, never edits it).
+
+    Invariants: tolerance 0 compares bits. An exact engine's gate (`exact_tokens` None)
+    never changes. A calibrated one gates its first step at CALIBRATION_CEILING while it
+    measures the floor (`step_tolerance`), then at `calibrated(floor)`; it counts the tokens
+    reproduced bit for bit (-1 for good once one was not) and gates at 0 from `exact_after`
+    of them on (None: never)."""
+    tolerance: float = AUDIT_TOLERANCE
+    floor: float | None = None  # the first step's measured sampler/trainer floor
+    exact_tokens: int | None = None  # calibrated: tokens reproduced bit for bit so far
+    exact_after: int | None = EXACT_EVIDENCE_TOKENS
+
+    def __post_init__(self):
+        as_real(self.tolerance, "AuditGate.tolerance", minimum=0.0)
+
+    @classmethod
+    def start(cls, tolerance: float, exact_after: int | None = EXACT_EVIDENCE_TOKENS):
+        """A run's gate before its first step: exact (0: no count) or calibrated."""
+        return cls(tolerance, None, 0 if tolerance > 0 else None, exact_after)
+
+    @classmethod
+    def for_engine(cls, engine, exact_after: int | None = EXACT_EVIDENCE_TOKENS):
+        return cls.start(tolerance_for(engine), exact_after)
+
+    @property
+    def calibrating(self) -> bool:
+        return self.tolerance > 0 and self.floor is None
+
+    @property
+    def step_tolerance(self) -> float:
+        """The tolerance the next step gates at."""
+        return CALIBRATION_CEILING if self.calibrating else self.tolerance
+
+    @property
+    def measured_exact(self) -> bool:
+        """Whether a calibrated run gates at 0 by its own measurement."""
+        return (self.exact_tokens is not None and self.exact_after is not None
+                and self.exact_tokens >= self.exact_after)
+
+    def after_step(self, worst: float, checked: int) -> AuditGate:
+        """The gate after a step that checked `checked` tokens, largest |diff| `worst`."""
+        if self.exact_tokens is None:
+            return self
+        floor, tolerance = (worst, calibrated(worst)) if self.calibrating else \
+            (self.floor, self.tolerance)
+        gate = dataclasses.replace(self, floor=floor, tolerance=tolerance,
+                                   exact_tokens=exact_evidence(self.exact_tokens, worst,
+                                                               checked))
+        return dataclasses.replace(gate, tolerance=0.0) if gate.measured_exact else gate
+
+    def after_failure(self, error: BaseException) -> AuditGate:
+        """The gate after a step whose audit flagged samples: a run gating at 0 by
+        measurement notes so on `error` (stale KV, or numerics not exact after all) and
+        ends its count (the tolerance stays 0)."""
+        if not self.measured_exact:
+            return self
+        error.add_note(f"The audit compares bits here because this run's earlier steps "
+                       f"reproduced all {self.exact_tokens} tokens they checked bit for bit "
+                       f"(a calibrated run gates at 0 from {self.exact_after} on; Sync/"
+                       f"AsyncRollouts(exact_after=None) turns that off): these samples were "
+                       f"produced with stale KV, or this device's numerics are not exact "
+                       f"after all.")
+        return dataclasses.replace(self, exact_tokens=-1)
+
+    def record(self) -> dict:
+        return dict(audit_floor=self.floor, audit_exact_tokens=self.exact_tokens)
 
 
 AUDIT_MAXED = ("audit_diff_max",)  # step_audit_sums keys reduced by max over micro-batches

@@ -20,7 +20,6 @@ and trained on those only (`make_batch`), and the record gains episode counters.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -29,9 +28,8 @@ from typing import Callable, Protocol
 import jax
 import numpy as np
 
-from jaxrl_cache.rl.audit import (CALIBRATION_CEILING, EXACT_EVIDENCE_TOKENS,
-                                  audit_step_calls, audited_in_step, calibrated, exact_evidence,
-                                  name_misattributed, tolerance_for)
+from jaxrl_cache.rl.audit import (EXACT_EVIDENCE_TOKENS, AuditGate, audit_step_calls,
+                                  audited_in_step, name_misattributed)
 from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
@@ -53,15 +51,7 @@ class Rollouts(Protocol):
 
     def close(self) -> dict: ...
 
-    audit_tolerance: float  # rl.audit.tolerance_for(the engine): 0 when its bits are exact;
-    #                         otherwise grpo_step calibrates it at the first step, and sets
-    #                         it to 0 once the run has shown exact bits (audit_exact_tokens)
-    audit_floor: float | None  # that step's measured sampler/trainer floor (None: not yet)
-    audit_exact_tokens: int | None  # of a calibrated run: tokens reproduced bit for bit so
-    #                                 far (-1 once one was not; rl.audit.exact_evidence);
-    #                                 None for an exact engine
-    audit_exact_after: int | None  # the count from which a calibrated run gates at 0
-    #                                (rl.audit.EXACT_EVIDENCE_TOKENS; None: never)
+    gate: AuditGate  # the run's audit gate (AuditGate.for_engine); grpo_step replaces it
 
 
 class SyncRollouts:
@@ -78,9 +68,7 @@ class SyncRollouts:
                  exact_after: int | None = EXACT_EVIDENCE_TOKENS):
         self.engine, self.prompt_source, self.sampling = engine, prompt_source, sampling
         self.calls, self.key, self.episodes = calls, key, episodes
-        self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
-        self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
-        self.audit_exact_after = exact_after
+        self.gate = AuditGate.for_engine(engine, exact_after)
 
     def get(self, step: int, state: TrainState):
         out = []
@@ -116,9 +104,7 @@ class AsyncRollouts:
                  stop_timeout: float = 120.0, episodes: dict | None = None,
                  exact_after: int | None = EXACT_EVIDENCE_TOKENS):
         self.calls, self.stop_timeout = calls, stop_timeout
-        self.audit_tolerance, self.audit_floor = tolerance_for(engine), None
-        self.audit_exact_tokens = 0 if self.audit_tolerance > 0 else None
-        self.audit_exact_after = exact_after
+        self.gate = AuditGate.for_engine(engine, exact_after)
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
                                     episodes=episodes)
@@ -211,6 +197,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")
     scorer = None if reward is None else Rewards.of(reward)  # checked before any rollout
+    gate = _gate_of(rollouts)
     version = int(state.version)
     history.seed(version, state.model_params)
     t0 = time.perf_counter()
@@ -224,11 +211,8 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     rewards = [float(s.reward) for _, s, _ in texts] if scores is None else scores.totals
     t2 = time.perf_counter()
     batches = [b for _, b in parts]
-    in_step, tolerance = audited_in_step(train), getattr(rollouts, "audit_tolerance", 0.0)
-    calibrating = tolerance > 0 and getattr(rollouts, "audit_floor", None) is None
-    if calibrating:  # no stale KV yet: gate at the ceiling, measure the floor (below)
-        tolerance = CALIBRATION_CEILING
-    with _measured_exact_noted(rollouts):
+    in_step, tolerance = audited_in_step(train), gate.step_tolerance
+    try:
         counts = audit_step_calls(step, batches, history.params, state.config,
                                   version=version, in_step=in_step, tolerance=tolerance,
                                   audit_samples=audit_samples)
@@ -242,24 +226,19 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         except AttributionFailure:  # nothing was applied: name the samples, as the audit does
             name_misattributed(step, batches, history.params, state.config, tolerance)
             raise
+    except (AuditError, AttributionFailure) as e:
+        rollouts.gate = gate.after_failure(e)
+        raise
     metrics = jax.device_get({k: v for k, v in metrics.items() if k != "per_update"})
     checked = counts.checked_tokens + (int(metrics["audit_checked_tokens"]) if in_step else 0)
-    evidence = getattr(rollouts, "audit_exact_tokens", None)
-    if tolerance > 0 or evidence is not None:  # a calibrated run (also once it gates at 0)
-        worst = max(counts.max_abs_diff,
-                    float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
-        if calibrating:
-            rollouts.audit_floor, rollouts.audit_tolerance = worst, calibrated(worst)
-        rollouts.audit_exact_tokens = exact_evidence(evidence or 0, worst, checked)
-        if _measured_exact(rollouts):
-            rollouts.audit_tolerance = 0.0  # exact in practice here: compare bits from now on
+    worst = max(counts.max_abs_diff, float(metrics["logprob_mismatch_max"]) if in_step else 0.0)
+    rollouts.gate = gate = gate.after_step(worst, checked)
     t4 = time.perf_counter()
     ack = rollouts.publish(new_state)
     t5 = time.perf_counter()
     history.add(int(new_state.version), new_state.model_params)
     record = _record(step, version, ack, rewards, batches, metrics, counts, checked, tolerance)
-    record.update(audit_floor=getattr(rollouts, "audit_floor", None),
-                  audit_exact_tokens=getattr(rollouts, "audit_exact_tokens", None))
+    record.update(gate.record())  # audit_floor, audit_exact_tokens
     record.update(step_health(batches, rewards))  # reward spread, lengths, truncation
     record.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, audit_seconds=t3 - t2,
                   train_seconds=t4 - t3, publish_seconds=t5 - t4, step_seconds=t5 - t0)
@@ -270,32 +249,15 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     return StepResult(new_state, record, texts, ack)
 
 
-def _measured_exact(rollouts) -> bool:
-    """Whether a calibrated run gates at 0 by its own measurement: its count of tokens
-    reproduced bit for bit (`audit_exact_tokens`) has reached `audit_exact_after`."""
-    evidence = getattr(rollouts, "audit_exact_tokens", None)
-    bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
-    return evidence is not None and bound is not None and evidence >= bound
-
-
-@contextlib.contextmanager
-def _measured_exact_noted(rollouts):
-    """An audit failure in a run that gates at 0 by measurement (`_measured_exact`) gets a
-    note saying so (its samples are stale, or this device's numerics are not exact after
-    all), and ends the run's count (-1): the tolerance stays 0."""
+def _gate_of(rollouts) -> AuditGate:
     try:
-        yield
-    except (AuditError, AttributionFailure) as e:
-        if _measured_exact(rollouts):
-            evidence = rollouts.audit_exact_tokens
-            bound = getattr(rollouts, "audit_exact_after", EXACT_EVIDENCE_TOKENS)
-            rollouts.audit_exact_tokens = -1
-            e.add_note(f"The audit compares bits here because this run's earlier steps "
-                       f"reproduced all {evidence} tokens they checked bit for bit (a "
-                       f"calibrated run gates at 0 from {bound} on; Sync/AsyncRollouts("
-                       f"exact_after=None) turns that off): these samples were produced with "
-                       f"stale KV, or this device's numerics are not exact after all.")
-        raise
+        gate = rollouts.gate
+    except AttributeError:
+        gate = None
+    if not isinstance(gate, AuditGate):
+        raise TypeError(f"{type(rollouts).__name__}.gate must be an rl.audit.AuditGate (the "
+                        f"run's audit gate: AuditGate.for_engine(engine)), got {gate!r:.80}")
+    return gate
 
 
 def _trainable(step: int, parts: list) -> tuple[list, int]:
