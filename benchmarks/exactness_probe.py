@@ -40,7 +40,8 @@ from jaxrl_cache.models.llama import (_qkv, decode_forward, forward, init_kv_cac
                                       rotary_tables)
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rollout import SamplingParams
-from jaxrl_cache.rollout.sampling import log_normaliser, sample_tokens
+from jaxrl_cache.distribution import log_normaliser
+from jaxrl_cache.rollout.sampling import sample_tokens
 
 PAGE = 16
 DECODE_ROWS = 4  # the decode step's batch: row 0 is the sequence, the others inactive

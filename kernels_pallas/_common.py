@@ -21,7 +21,7 @@ def invariant_kernels() -> str | None:
     trace time (programs are cached per value: `kernel_keyed_jit`); the sampler and the
     trainer must run under the same value. It routes the model's projections
     (`models.dense`), the trainer's attention (`models.llama`), the log-softmax normaliser
-    of every log-prob (`rollout.sampling.log_normaliser`) and the engine's "auto" attention
+    of every log-prob (`distribution.log_normaliser`) and the engine's "auto" attention
     backend."""
     choice = os.environ.get(KERNELS_ENV, "xla")
     if choice not in KERNEL_CHOICES:

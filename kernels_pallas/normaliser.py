@@ -1,7 +1,7 @@
 """Batch-invariant log-sum-exp over the vocabulary: one fixed program for every row count.
 
 `log_sum_exp(x)` is the log-softmax normaliser of every recorded and recomputed log-prob
-(`rollout.sampling.log_normaliser`) under JAXRL_CACHE_KERNELS. Written in jnp, the
+(`distribution.log_normaliser`) under JAXRL_CACHE_KERNELS. Written in jnp, the
 normaliser is a max reduction, a broadcast subtraction, exp and a sum: XLA:GPU may compile
 that diamond as one of its own Triton normalization fusions in one program and as loop
 fusions in another (its choice depends on the shapes around it: the sampler's [rows, V] vs

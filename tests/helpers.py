@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models.llama import ModelConfig, forward, init_params
-from jaxrl_cache.rollout.sampling import behavior_log_probs
+from jaxrl_cache.distribution import behavior_log_probs
 
 CONFIG = ModelConfig.tiny(vocab_size=48, max_seq_len=96)
 

@@ -122,7 +122,7 @@ def test_the_tiled_matmul_lowers_to_one_triton_kernel(dtype, k, n, rows_out):
 
 @pytest.mark.parametrize("shape", [(64, 49152), (3, 40, 700)])
 def test_the_log_sum_exp_kernels_lower_to_triton(shape):
-    """rollout.sampling.log_normaliser on a GPU under JAXRL_CACHE_KERNELS=pallas (SmolLM2's
+    """distribution.log_normaliser on a GPU under JAXRL_CACHE_KERNELS=pallas (SmolLM2's
     vocabulary; a leading shape and a vocabulary that need padding), with its backward."""
     text = lower_for_cuda(jax.value_and_grad(lambda x: log_sum_exp(x).sum()),
                           jax.ShapeDtypeStruct(shape, jnp.float32))

@@ -13,7 +13,8 @@ from jaxrl_cache.rollout import core as rollout_core
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SchedulerConfig
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.rl.audit import audit_attribution
-from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
+from jaxrl_cache.distribution import behavior_log_probs
+from jaxrl_cache.rollout.sampling import SamplingParams
 from tests.helpers import CONFIG, dense_greedy, dense_logits, varied_params
 
 PS = 8

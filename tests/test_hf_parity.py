@@ -8,7 +8,8 @@ import pytest
 
 from jaxrl_cache.models import forward, from_pretrained, hf
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
-from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
+from jaxrl_cache.distribution import behavior_log_probs
+from jaxrl_cache.rollout.sampling import SamplingParams
 from tests.hf_fixtures import ARCHS, FIXTURES, SAMPLING, expected
 
 TOL = 1e-4

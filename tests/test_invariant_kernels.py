@@ -149,9 +149,9 @@ def test_log_sum_exp_refuses_bad_input():
 
 
 def test_the_samplers_normaliser_runs_on_the_kernel_under_the_setting(monkeypatch):
-    """rollout.sampling.log_normaliser (every recorded and recomputed log-prob) is
+    """distribution.log_normaliser (every recorded and recomputed log-prob) is
     log_sum_exp's program under JAXRL_CACHE_KERNELS, its tree form otherwise."""
-    from jaxrl_cache.rollout.sampling import log_normaliser
+    from jaxrl_cache.distribution import log_normaliser
     x = _logits(9, 200, seed=3)
     monkeypatch.setenv(KERNELS_ENV, "interpret")
     assert "pallas_call" in str(jax.make_jaxpr(lambda a: log_normaliser(a))(x))

@@ -14,7 +14,8 @@ from jaxrl_cache.models.llama import ModelConfig, forward, init_params
 from jaxrl_cache.rl.audit import audit_attribution
 from jaxrl_cache.rl.batch import make_batch
 from jaxrl_cache.rl.train import TrainState, train_step
-from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs
+from jaxrl_cache.distribution import behavior_log_probs
+from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.rollout.sampling import DRAW_BLOCK, behavior_log_probs, sample_tokens
+from jaxrl_cache.distribution import behavior_log_probs
+from jaxrl_cache.rollout.sampling import DRAW_BLOCK, sample_tokens
 
 VOCAB = 2 * DRAW_BLOCK + 44  # three blocks, the last one padded
 DRAWS = 20_000

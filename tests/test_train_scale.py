@@ -20,7 +20,8 @@ from jaxrl_cache.rl.batch import group_advantages_no_std, make_batch, pack_batch
 from jaxrl_cache.rl.memory import TrainMemoryError, check_memory, estimate_step_bytes
 from jaxrl_cache.rl.train import TrainState, optimizer_counts, train_step
 from jaxrl_cache.rl.train_config import TrainConfig
-from jaxrl_cache.rollout.sampling import SamplingParams, behavior_log_probs, filter_kind
+from jaxrl_cache.distribution import behavior_log_probs, filter_kind
+from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
 from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
 

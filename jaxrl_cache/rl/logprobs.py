@@ -2,7 +2,7 @@
 audit, the reference policy and SFT.
 
 The decoder runs to its last hidden states; the LM head, the sampler's temperature /
-top-k / top-p warp (`rollout.sampling.warped_logits`, the very function behind the
+top-k / top-p warp (`distribution.warped_logits`, the very function behind the
 recorded behavior log-probs) and the log-softmax then run per chunk of positions in a
 rematerialised `lax.scan`, so at most [B, chunk, V] logits exist at a time, in the forward
 and in the backward pass. The filter is static (`filter_kind` of the batch's sampling
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.llama import hidden_states, lm_logits
-from jaxrl_cache.rollout.sampling import (SamplingParams, filter_kind, log_normaliser,
-                                          log_probs_at, warped_logits)
+from jaxrl_cache.distribution import filter_kind, log_normaliser, log_probs_at, warped_logits
+from jaxrl_cache.rollout.sampling import SamplingParams
 from kernels_pallas import kernel_keyed_jit
 
 LOGPROB_CHUNK = 128  # positions (rows x columns) per LM-head chunk: [chunk, V] f32 logits

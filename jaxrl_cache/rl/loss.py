@@ -6,7 +6,7 @@ behavior (each token's recorded logprob, sampled by its own version), proximal (
 trainer's params before the first update of this batch, scored once, no gradient) and
 current. The clipped ratio is current/proximal and each token's surrogate is weighted by
 min(proximal/behavior, is_cap). `correction="none"` is plain PPO-clip with the ratio against
-behavior. Both read the sampler's own distribution (`sampling.warped_logits`), so on fresh
+behavior. Both read the sampler's own distribution (`distribution.warped_logits`), so on fresh
 samples proximal == behavior and, at the first update, the two objectives coincide.
 """
 from __future__ import annotations
