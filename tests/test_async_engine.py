@@ -78,6 +78,28 @@ def test_recompute_greedy_follows_each_tokens_own_version():
     assert_clean(engine)
 
 
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_only_a_commit_replaces_a_running_calls_weights(policy, monkeypatch):
+    """The call's weights value changes only when a sync commits (`Run.on_update`, between
+    two steps), never inside a step; each step stamps the version of the value it read."""
+    import inspect
+    from jaxrl_cache.rollout import scheduler
+    writers = []
+    real = scheduler.Run.__setattr__
+
+    def spy(self, name, value):
+        if name == "weights":
+            writers.append((inspect.stack()[1].function, value.version))
+        real(self, name, value)
+
+    monkeypatch.setattr(scheduler.Run, "__setattr__", spy)
+    engine = make_engine(policy, updates={2: 1, 3: 2}, lag=2)
+    batch = engine.rollout(PARAMS[0], 0, PROMPTS, SamplingParams(n=2, max_new_tokens=14),
+                           rng=jax.random.key(0))
+    assert writers == [("__init__", 0), ("on_update", 1), ("on_update", 2)]
+    versions = sorted({v for s in batch.samples for v in s.token_versions.tolist()})
+    assert versions == [0, 1, 2] and batch.weight_updates == 2
+
 def test_recompute_sampled_logprobs_are_each_tokens_own_version():
     sampling = SamplingParams(n=3, max_new_tokens=12, temperature=1.0, top_k=20)
     engine = make_engine("recompute", updates={2: 1})

@@ -457,7 +457,7 @@ class RolloutEngine:
         with deferred_signals():  # the rollout's reaction, invalidation and commit land together
             recomputed = 0
             if self._active is not None:  # asynchronous mode, between two decode chunks
-                recomputed = self._active.on_update(staged.version,
+                recomputed = self._active.on_update(staged,
                                                     drop_kv=self.kv_policy == "recompute")
             invalidated = self.cache.invalidate_before(
                 oldest, held=self._active is not None and self.kv_policy == "keep")
@@ -641,30 +641,30 @@ class RolloutEngine:
     def _step(self, run: scheduler.Run) -> None:
         """One round of a call (engine lock held): admit (re-prefills of rows whose KV an
         update dropped first, then waiting samples) by packed prefills, one decode chunk."""
-        if self._active is run and self._weights.version > run.weights.version:
-            run.weights = self._weights  # a sync during the call moved past its version
-        weights = run.weights  # read once: the version that runs this step is the one stamped
+        weights = run.weights  # read once: this step runs and stamps this version alone
         run.await_work()
-        if not self._admit(run, weights.params):
+        if not self._admit(run, weights):
             if run.idle:
                 return  # episodes: every episode left is with its environment, or ended
             if all(r is None or r.resume for r in run.slots):
                 raise AssertionError("scheduler made no progress")  # the pre-check forbids it
         slots, chunk, steps = self._runner.decode(weights.params, run)
-        retire.finish_rows(run, slots, run.record_chunk(slots, chunk, steps, weights.version))
+        retire.finish_rows(run, slots, run.record_chunk(slots, chunk, steps, weights.version),
+                           weights.version)
 
-    def _admit(self, run: scheduler.Run, params) -> bool:
+    def _admit(self, run: scheduler.Run, weights: _Weights) -> bool:
         """Admission rounds, each one packed prefill of at most max_prefill_tokens (soft),
         until no waiting sample fits: every row admitted before a decode chunk decodes in it
         (a prompt batch over the budget no longer leaves a tail that decodes alone in extra
         chunks). Returns whether any row was admitted."""
         earlier: list[int] = []  # slots prefilled by an earlier round of this step
         while True:  # run.admit stops on its own when no slot, page or sample is left
-            claims = page_claims.Round(run)
+            claims = page_claims.Round(run, weights.version)
             units = run.admit(claims)
             if not units:
                 return bool(earlier)
-            run.record_prefill(*self._runner.prefill(params, run, units, claims.trie_tokens,
+            run.record_prefill(*self._runner.prefill(weights.params, run, units,
+                                                      claims.trie_tokens,
                                                       keep=earlier))
             claims.publish(units)
             earlier += [slot for _, slots in units for slot in slots]

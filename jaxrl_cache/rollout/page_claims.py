@@ -18,12 +18,13 @@ from jaxrl_cache.rollout import scheduler
 
 
 class Round:
-    """The claims of one admission round of `run` (a scheduler.Run) under its current
-    namespace. Every page a returned unit lists is held by its rows (one reference each)."""
+    """The claims of one admission round of `run` (a scheduler.Run) at `version` (the
+    step's, under its namespace). Every page a returned unit lists is held by its rows (one
+    reference each)."""
 
-    def __init__(self, run: scheduler.Run):
+    def __init__(self, run: scheduler.Run, version: int):
         self.run, self.cache, self.ps, self.share = run, run.cache, run.ps, run.share
-        self.key = run.key
+        self.version, self.key = version, run.key_of(version)
         self.pending: dict = {}  # page key -> (page, children): prompt pages being prefilled
         self.trie_tokens = 0  # the longest prefix a unit took from the trie (earlier rounds or
         #   calls of this version): what its prefill would also compute a version later
@@ -35,7 +36,7 @@ class Round:
         budget of this round is spent (budget None: the round's first unit, always within
         budget)."""
         run, g, prompt = self.run, first.group, first.prompt
-        old = first.kv_version if first.kv_version not in (None, run.weights.version) else None
+        old = first.kv_version if first.kv_version not in (None, self.version) else None
         if old is not None and not (self.share and self.cache.peek(
                 run.key_of(old), self._head(g, prompt))):
             old = None  # nothing of that version left: re-prefill under the current one

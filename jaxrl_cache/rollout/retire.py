@@ -10,27 +10,28 @@ from jaxrl_cache.rollout import scheduler
 from jaxrl_cache.rollout.types import RolloutBatch, Sample, WeightAck
 
 
-def finish_rows(run: scheduler.Run, slots: list, done: list[int]) -> None:
+def finish_rows(run: scheduler.Run, slots: list, done: list[int], version: int) -> None:
     """Retires the rows of `slots` (the chunk's slots of the run) listed in `done`, after
     stop strings (text) cut them or finished more."""
     if run.text is not None:  # text: stop strings cut rows before they retire
         done = run.text.stop_rows(slots, done)
     for i in done:
-        retire(run, i)
+        retire(run, i, version)
 
 
-def retire(run: scheduler.Run, slot: int) -> None:
-    """Caches the row's full pages under the version that wrote all of their KV (none if
-    several did: kv_policy "keep", or if that version left the lag window), then drops its
+def retire(run: scheduler.Run, slot: int, version: int) -> None:
+    """At the step's `version`: caches the row's full pages under the version that wrote
+    all of their KV (none if several did: kv_policy "keep", or if that version left the lag
+    window of `version`), then drops its
     references. An episode's turn then goes to its environment (episodes.Driver)."""
     row = run.slots[slot]
     single = len(row.kv_now) == 1  # not mixed ("keep" after an update)
-    version = next(iter(row.kv_now)) if single else None
+    writer = next(iter(row.kv_now)) if single else None
     run.slots[slot] = None
     run.finished[row.index] = row
-    if run.share and single and version >= run.weights.version - run.max_policy_lag:
+    if run.share and single and writer >= version - run.max_policy_lag:
         written = run.packed[row.group].extend(scheduler.written_outputs(row))
-        run.cache.insert(run.key_of(version), written,
+        run.cache.insert(run.key_of(writer), written,
                          row.pages[:written.num_tokens // run.ps], release=row.pages)
     else:
         run.cache.release(row.pages)

@@ -178,9 +178,10 @@ def written_outputs(row: Row) -> list:
 class Run:
     """One rollout call's host state: its queue, decode slots, finished rows and counters.
 
-    `weights` (.version, .params) is what the call generates with now: admission stamps
-    its version on every row's KV, `apply` on every token; in asynchronous mode the engine
-    moves it forward between steps. `key_of` maps a version to its radix namespace (the
+    `weights` (.version, .params) is what the call generates with now: each step reads it
+    once and passes that value's version to admission (stamped on every row's KV), to
+    `apply` (on every token) and to retirement; in asynchronous mode a commit between two
+    steps replaces it (`on_update`), never a step. `key_of` maps a version to its radix namespace (the
     engine's `_cache_key`, the only place that mapping is written). max_tokens: the longest
     context + output any row may reach (its page-table width). episodes: an
     episodes.Driver whose environments add requests as turns finish (None: single-turn).
@@ -210,11 +211,6 @@ class Run:
         self.knobs = sampling.as_arrays()
         self.fresh_logits = None  # f32 [B', V] logits of the last prefill (runner.py)
         self.text = text  # text.RowText: decoded outputs, stop strings (None: ids only)
-
-    @property
-    def key(self) -> int:
-        """The radix namespace of the run's current version."""
-        return self.key_of(self.weights.version)
 
     def packed_context(self, group: int, tokens: Sequence[int]) -> PackedTokens:
         """tokens (group's latest context, then outputs) in the cache's form: only what
@@ -248,15 +244,17 @@ class Run:
         if self.episodes is not None and self.idle and self.episodes.pending:
             self.episodes.wait()
 
-    def on_update(self, version: int, drop_kv: bool) -> int:
-        """A weight sync to `version` landed between two steps. drop_kv (kv_policy
+    def on_update(self, weights, drop_kv: bool) -> int:
+        """A weight sync to `weights` (the engine's committed value) lands between two
+        steps: the run adopts it unless it is at or past its version. drop_kv (kv_policy
         "recompute"): every running row lets go of its pages and will re-prefill its context
         with the new params before its next token; returns the tokens that will be
         recomputed. Otherwise ("keep") rows continue over their old KV (their next tokens
         are flagged mixed). A version the run is already at or past (its own staged one)
         does not concern it."""
-        if version <= self.weights.version:
+        if weights.version <= self.weights.version:
             return 0
+        self.weights = weights
         self.updates += 1
         if not drop_kv:
             return 0
@@ -272,9 +270,9 @@ class Run:
         """Re-prefills rows whose KV an update dropped, then admits waiting samples in order
         while slots and pages allow (one unit per prompt run). claims: this round's
         page_claims.Round (prompt pages of earlier units are shared by later ones).
-        Returns (unit, slot of each of its rows) pairs."""
+        Returns (unit, slot of each of its rows) pairs, stamped with `claims.version`."""
         units, budget = [], self.max_prefill_tokens
-        version = self.weights.version
+        version = claims.version
         if self.episodes is not None:  # environments that answered: their next turns
             self._enqueue(self.episodes.ready())
         for slot, row in enumerate(self.slots):
