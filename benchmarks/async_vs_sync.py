@@ -35,7 +35,7 @@ def in_flight_update_cost(policy_dir: pathlib.Path, every: int = 2, calls: int =
 
     import jax
 
-    from jaxrl_cache.app.demo import PAGE_SIZE, DemoOptions, _make_task, _encode_prompts
+    from jaxrl_cache.app.demo import DemoOptions, _make_task, _encode_prompts
     from jaxrl_cache.models import from_pretrained, load_tokenizer
     from jaxrl_cache.rollout import CacheConfig, RolloutEngine, SamplingParams, SchedulerConfig
 
@@ -55,7 +55,7 @@ def in_flight_update_cost(policy_dir: pathlib.Path, every: int = 2, calls: int =
 
     out = {}
     for policy, forcing in (("recompute", False), ("recompute", True), ("keep", True)):
-        engine = Forced(config, CacheConfig(num_pages=512, page_size=PAGE_SIZE),
+        engine = Forced(config, CacheConfig(num_pages=512, page_size=DemoOptions().page_size),
                         scheduler_config=SchedulerConfig(chunk_steps=1),
                         kv_policy=policy, max_policy_lag=1)
         engine.forcing = False

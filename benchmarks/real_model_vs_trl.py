@@ -1,12 +1,13 @@
 """A real model learns, side by side with TRL (issue 60): SmolLM2-135M-Instruct on
-examples/tasks/add.jsonl, the README's add-task command against TRL's GRPOTrainer, seeds 0-2.
+examples/tasks/add.jsonl, the add-task command of docs/api.md (A real model) against TRL's
+GRPOTrainer, seeds 0-2.
 
     .venv/bin/python benchmarks/real_model_vs_trl.py [--seeds 0 1 2] [--systems jaxrl trl]
         [--tag cpu-2026-12-07]
 
 Ours: `jaxrl-cache demo --model ... --task examples/tasks/add.jsonl --answer-regex '(-?\\d+)'
 --prompts-per-step 2 --group-size 8 --rollout-calls 1 --max-new-tokens 24 --lr 2e-5
---warmup-steps 0 --eval-prompts 30 --steps 15 --seed S --eval-every 5` (the README's command
+--warmup-steps 0 --eval-prompts 30 --steps 15 --seed S --eval-every 5` (that command
 plus a seed and mid-run evals). TRL: benchmarks/peers/trl_learning.py in /work/torchvenv
 (torch CPU, trl), given the very rows the CLI draws (its JsonlTask, `default_rng([seed, 0,
 step])`: 2 training prompts per step) and its 30 held-out eval prompts (every 4th example

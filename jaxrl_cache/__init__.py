@@ -1,7 +1,7 @@
 """jaxrl_cache: attributable RL post-training of language models in JAX.
 
 Every sample carries the policy version that produced it; prefix KV is cached per version
-and never reused across versions. README.md describes the protocol; docs/DESIGN.md the
+and never reused across versions. docs/attribution.md describes the protocol; docs/DESIGN.md the
 layout of the code and the invariants (each with its test).
 """
 # Names resolve on first use (PEP 562): importing a submodule (the CLI's parser: a fast

@@ -7,7 +7,8 @@ tables. Backends: "pallas" (Triton, GPU), "interpret" (same kernel, Pallas inter
 "xla" (pure-jnp reference, the fast CPU path), "auto".
 """
 from kernels_pallas._common import (BACKENDS, KERNEL_CHOICES, KERNELS_ENV, invariant_kernels,
-                                    kernel_keyed_jit, next_power_of_2, resolve_backend)
+                                    is_power_of_2, kernel_keyed_jit, next_power_of_2,
+                                    resolve_backend)
 from kernels_pallas.decode import (DecodePlan, paged_decode_attention, paged_decode_reference,
                                    plan_decode)
 from kernels_pallas.kv_write import write_kv, write_kv_jit
@@ -17,8 +18,7 @@ from kernels_pallas.prefill import (gathered_prefill_attention, paged_prefill_at
 
 __all__ = [
     "BACKENDS", "KERNEL_CHOICES", "KERNELS_ENV", "invariant_kernels", "kernel_keyed_jit",
-    "next_power_of_2",
-    "resolve_backend",
+    "is_power_of_2", "next_power_of_2", "resolve_backend",
     "DecodePlan", "paged_decode_attention", "paged_decode_reference", "plan_decode",
     "gathered_prefill_attention", "paged_prefill_attention", "paged_prefill_reference",
     "write_kv", "write_kv_jit", "log_sum_exp",

@@ -132,6 +132,37 @@ def _parts(x, n: int, axis: int):
     return [x] if n == 1 else jnp.split(x, n, axis=axis)
 
 
+def _exact_scores(q, k_ref, page_ids, chunks, visible, sm_scale: float, block_k: int):
+    """f32 [rows, block_k]: q's scores against the keys of page_ids, scaled, -inf where not
+    visible (one dot per head-dim chunk, summed in chunk order)."""
+    s = None
+    for (off, size), qc in zip(chunks, q):
+        k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size).astype(qc.dtype)
+        part = _dot(qc, k, 1)
+        s = part if s is None else s + part
+    return jnp.where(visible, s * sm_scale, -jnp.inf)
+
+
+def _key_block_values(v_ref, pages_ref, page_offset, first_page, j: int, off: int, size: int):
+    """V [KEY_BLOCK, size] (the pool's dtype) of key block j of the kernel block whose page
+    table entries start at first_page."""
+    page_size = v_ref.shape[1]
+    sub_pages = max(1, KEY_BLOCK // page_size)  # pages of one key block
+    sub_keys = min(page_size, KEY_BLOCK)  # its keys within each of them
+    first_key = j * KEY_BLOCK
+    page_ids = pages_ref[pl.ds(first_page + first_key // page_size, sub_pages)]
+    return v_ref[page_ids + page_offset, pl.ds(first_key % page_size, sub_keys),
+                 pl.ds(off, size)].reshape(KEY_BLOCK, size)
+
+
+def _weighted(pj, v, f32_scores: bool):
+    """pj [rows, KEY_BLOCK] @ v [KEY_BLOCK, size] (at the references' width in interpret
+    mode, f32_scores)."""
+    if not f32_scores:
+        return _dot(pj, v, 0)
+    return _dot(pj, values_at_width(v), 0)[:, :v.shape[1]]
+
+
 def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block, *,
                pages_per_block: int, sm_scale: float, mask: Callable, key_valid: Callable,
                chunks, f32_scores: bool):
@@ -172,37 +203,18 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         return pages_ref[pl.ds(i * pages_per_block, pages_per_block)] + page_offset
 
     def scores(i, page_ids):
-        s = None
-        for (off, size), qc in zip(chunks, q):
-            k = k_ref[page_ids, :, pl.ds(off, size)].reshape(block_k, size).astype(qc.dtype)
-            part = _dot(qc, k, 1)
-            s = part if s is None else s + part
-        return jnp.where(mask(i, block_k), s * sm_scale, -jnp.inf)
+        return _exact_scores(q, k_ref, page_ids, chunks, mask(i, block_k), sm_scale, block_k)
 
     top = lax.fori_loop(first_block, last_block,
                         lambda i, m: jnp.maximum(m, scores(i, pages(i)).max(axis=-1)),
                         jnp.full((rows,), -jnp.inf, jnp.float32))
     top = jnp.where((top > -jnp.inf) & (top < jnp.inf), top, 0.0)[:, None]
 
-    page_size = k_ref.shape[1]
-    sub_pages = max(1, KEY_BLOCK // page_size)  # pages of one key block
-    sub_keys = min(page_size, KEY_BLOCK)  # its keys within each of them
-
     def values(i, j, off, size):
         """fp32 V [KEY_BLOCK, size] of key block j of block i; 0 where not written."""
-        first_key = j * KEY_BLOCK
-        page_ids = pages_ref[pl.ds(i * pages_per_block + first_key // page_size, sub_pages)]
-        v = v_ref[page_ids + page_offset, pl.ds(first_key % page_size, sub_keys),
-                  pl.ds(off, size)].reshape(KEY_BLOCK, size)
+        v = _key_block_values(v_ref, pages_ref, page_offset, i * pages_per_block, j, off, size)
         valid = key_valid(i * parts + j, KEY_BLOCK)[:, None]  # keys i*block_k + j*KB + ...
         return jnp.where(valid, v, jnp.zeros_like(v)).astype(jnp.float32)
-
-    def weighted(pj, v):
-        """pj [rows, KEY_BLOCK] @ v [KEY_BLOCK, size] (at the references' width in
-        interpret mode)."""
-        if not f32_scores:
-            return _dot(pj, v, 0)
-        return _dot(pj, values_at_width(v), 0)[:, :v.shape[1]]
 
     def body(i, carry):
         o, l = carry
@@ -210,7 +222,8 @@ def exact_loop(q, k_ref, v_ref, pages_ref, page_offset, first_block, last_block,
         o = list(o)
         for j, pj in enumerate(_parts(p, parts, 1)):
             l = l + halving_sum(pj)
-            o = [oc + weighted(pj, values(i, j, off, size)) for oc, (off, size) in zip(o, chunks)]
+            o = [oc + _weighted(pj, values(i, j, off, size), f32_scores)
+                 for oc, (off, size) in zip(o, chunks)]
         return tuple(o), l
 
     carry = (tuple(jnp.zeros((rows, size), jnp.float32) for _, size in chunks),

@@ -173,6 +173,56 @@ def test_every_train_config_and_sampling_field_is_a_setting():
             DemoOptions(**bad)
 
 
+@pytest.mark.parametrize("source", ["flag", "config"])
+def test_page_size_is_a_checked_setting(tmp_path, captured, capsys, source):
+    """--page-size (issue 62; the demo's pages were a hard-coded 8): a flag and a --config
+    key, the default 8, a power of two up to CacheConfig's 65536, refused in one line before
+    any work otherwise; it reaches the demo's options."""
+    def argv(value):
+        if source == "flag":
+            return ["demo", "--page-size", str(value), "--out", str(tmp_path / "run")]
+        config = tmp_path / "c.yaml"
+        config.write_text(f"page_size: {value}\n")
+        return ["demo", "--config", str(config), "--out", str(tmp_path / "run")]
+
+    opts, given = _run(argv(16), captured, capsys)
+    assert opts.page_size == 16 and "page_size" in given
+    opts, given = _run(["demo", "--out", str(tmp_path / "run")], captured, capsys)
+    assert opts.page_size == DemoOptions.page_size == 8 and "page_size" not in given
+    for bad, message in ((12, "argument --page-size: expected a power of two, got 12"),
+                         (0, "argument --page-size: expected a power of two, got 0"),
+                         ("x", "argument --page-size: expected a power of two, got 'x'"),
+                         (2**17, "--page-size must be a power of two in [1, 65536], got "
+                                 "131072")):
+        try:
+            code = cli.main(argv(bad))
+        except SystemExit as e:
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+    for bad in (3, 0, -8, 2**17, True, 8.0, "8"):
+        with pytest.raises(ValueError, match=r"^--page-size must be a power of two in "
+                                             r"\[1, 65536\], got "):
+            DemoOptions(page_size=bad)
+
+
+def test_page_size_sizes_the_kv_pool(monkeypatch):
+    """The job's checks and the pool count pages of --page-size tokens."""
+    monkeypatch.setattr(demo, "available_bytes", lambda: 2**40)
+    config = demo.builtin_model_config(demo.char_tokenizer().vocab_size)
+    small, large = (DemoOptions(page_size=p, prompts_per_step=1, rollout_calls=1,
+                                group_size=2, eval_prompts=1, kv_pages=None) for p in (8, 64))
+    assert demo._pool_bytes(config, 1, 64) == 8 * demo._pool_bytes(config, 1, 8)
+    assert demo._job_kv_pages(dataclasses.replace(small, eval_prompts=200), config, 129) \
+        == 200 * 16 + 1
+    assert demo._job_kv_pages(dataclasses.replace(large, eval_prompts=200), config, 129) \
+        == 200 * 2 + 1
+    with pytest.raises(ValueError, match="needs 2 KV pages of 64 tokens; use --kv-pages 3"):
+        demo._check_job(dataclasses.replace(large, kv_pages=2), config, 129, None)
+
+
 def _saved_run(out, **options):
     out.mkdir(parents=True)
     saved = dataclasses.asdict(DemoOptions(out=str(out), **options))

@@ -561,8 +561,8 @@ def test_the_kv_pool_is_sized_from_the_job(monkeypatch):
     assert demo._job_kv_pages(tiny, config, 12) == demo.MIN_KV_PAGES
     eval_heavy = demo.DemoOptions(eval_prompts=200)
     assert demo._job_kv_pages(eval_heavy, config, 129) == 200 * 16 + 1
-    page = demo._pool_bytes(config, 1)
-    assert demo._pool_bytes(config, 600) == 600 * page
+    page = demo._pool_bytes(config, 1, job.page_size)
+    assert demo._pool_bytes(config, 600, job.page_size) == 600 * page
     monkeypatch.setattr(demo, "available_bytes", lambda: 2 * 600 * page)
     assert demo._job_kv_pages(job, config, 129) == 600
     monkeypatch.setattr(demo, "available_bytes", lambda: page)

@@ -1,5 +1,5 @@
-"""examples/gsm8k_grpo.py, the README's recipe, runs two GRPO steps on the demo's built-in
-model: GSM8K rows in, both rewards logged by name, held-out evaluation, every sample
+"""examples/gsm8k_grpo.py, the recipe of docs/api.md ("From TRL"), runs two GRPO steps on the
+demo's built-in model: GSM8K rows in, both rewards logged by name, held-out evaluation, every sample
 audited, CSV and TensorBoard written, a checkpoint at version 2 and an HF export that loads."""
 import csv
 import importlib.util

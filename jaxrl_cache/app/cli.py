@@ -40,6 +40,7 @@ _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 _natural_int = _number(int, "an integer >= 0", lambda v: v >= 0)
 _natural_float = _number(float, "a finite number >= 0", lambda v: 0 <= v < float("inf"))
 _positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
+_power_of_two = _number(int, "a power of two", lambda v: v >= 1 and not v & (v - 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,9 +240,12 @@ def _trainer_arguments(add, d) -> None:
 
 def _engine_arguments(add, d) -> None:
     add("--kv-pages", type=_positive_int, default=d.kv_pages,
-        help="KV pool size in pages of 8 tokens [sized from the job: every sample of a "
-             "rollout call (or the eval) at its longest, at least 64 pages, at most half "
+        help="KV pool size in pages of --page-size tokens [sized from the job: every sample "
+             "of a rollout call (or the eval) at its longest, at least 64 pages, at most half "
              "the available memory]")
+    add("--page-size", type=_power_of_two, default=d.page_size,
+        help="tokens per KV page, a power of two up to 65536: the prefix cache shares and "
+             "reuses whole pages (the built-in prompts share a 9-token prefix) [%(default)s]")
     add("--chunk-steps", type=_positive_int, default=d.chunk_steps,
         help="decode steps per on-device chunk; with --async, weight updates land between "
              "chunks [%(default)s]")

@@ -68,7 +68,6 @@ from jaxrl_cache.rollout.scheduler import pages_for
 from jaxrl_cache.versioning import MAX_POLICY_LAG, MAX_VERSION
 from kernels_pallas import KERNELS_ENV, invariant_kernels
 
-PAGE_SIZE = 8  # tokens per KV page: the built-in prompts share a 9-token prefix
 MIN_KV_PAGES = 64  # the smallest pool --kv-pages picks when not given (a synchronous step
 # syncs a new version, so no prefix outlives it; 512 held 0.15 GiB of idle pages on SmolLM2)
 HOST_BYTES_PER_TOKEN = 256  # rough host memory per token of a step's samples (token tuples,
@@ -174,20 +173,22 @@ def _job_kv_pages(opts: DemoOptions, config: ModelConfig, row: int) -> int:
     the samples that do not fit)."""
     if opts.kv_pages is not None:
         return opts.kv_pages
-    per_sample = pages_for(row - 1, PAGE_SIZE)
+    per_sample = pages_for(row - 1, opts.page_size)
     samples = max(opts.prompts_per_step // opts.rollout_calls * opts.group_size,
                   opts.eval_prompts * opts.eval_k)
     pages = max(MIN_KV_PAGES, samples * per_sample + 1)
     have = available_bytes()
     if have is not None:
-        pages = min(pages, max(per_sample + 1, int(have // 2 // _pool_bytes(config, 1))))
+        pages = min(pages, max(per_sample + 1,
+                               int(have // 2 // _pool_bytes(config, 1, opts.page_size))))
     return min(pages, MAX_COUNT)
 
 
-def _pool_bytes(config: ModelConfig, pages: int) -> int:
-    """Bytes of a KV pool of `pages` pages (shapes only, nothing allocated)."""
+def _pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
+    """Bytes of a KV pool of `pages` pages of `page_size` tokens (shapes only, nothing
+    allocated)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-        lambda: init_kv_cache(config, pages, PAGE_SIZE))))
+        lambda: init_kv_cache(config, pages, page_size))))
 
 
 def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) -> int:
@@ -223,12 +224,12 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
         raise ValueError(f"--max-policy-lag {opts.max_policy_lag} x {train.updates} updates "
                          f"per step (--mini-batches) is a lag of more than {MAX_POLICY_LAG} "
                          f"versions, the engine's bound")
-    need = pages_for(row - 1, PAGE_SIZE)  # KV of every token but the last
+    need = pages_for(row - 1, opts.page_size)  # KV of every token but the last
     if need > opts.kv_pages - 1:  # page 0 is the null page
         what = "an episode (up to max_seq_len)" if opts.env else \
             "the longest prompt + --max-new-tokens"
         raise ValueError(f"--kv-pages {opts.kv_pages} cannot hold one sample: {what}, {row} "
-                         f"tokens, needs {need} KV pages of {PAGE_SIZE} tokens; use "
+                         f"tokens, needs {need} KV pages of {opts.page_size} tokens; use "
                          f"--kv-pages {need + 1} or more")
     if train.token_budget < row:
         raise ValueError(f"--token-budget {train.token_budget} cannot hold one sample of "
@@ -265,7 +266,7 @@ def _check_memory(opts: DemoOptions, config: ModelConfig, train: TrainConfig,
     have = available_bytes()
     if have is None:
         return
-    pool = _pool_bytes(config, opts.kv_pages)
+    pool = _pool_bytes(config, opts.kv_pages, opts.page_size)
     one = estimate_step_bytes(config, dataclasses.replace(train, token_budget=row), row)
     sft = one["state"] + opts.sft_batch * one["activations"] if _sft_steps(opts) else 0
     samples = max(opts.prompts_per_step * opts.group_size, opts.eval_prompts * opts.eval_k)
@@ -467,7 +468,7 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
     placement = loaded.placement
     engine = RolloutEngine(loaded.config, CacheConfig(num_pages=opts.kv_pages,
-                                                      page_size=PAGE_SIZE),
+                                                      page_size=opts.page_size),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=loaded.start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",

@@ -14,6 +14,11 @@ MAX_SEED = 2**32 - 1
 ENVS = ("calculator",)
 MAX_CHUNK_STEPS = 4096  # decode steps per chunk: a static shape ([slots, chunk_steps] outputs)
 MAX_COUNT = 2**31 - 1  # every other count flag: they reach int32 shapes and jitted arguments
+# --page-size: tokens per KV page. A power of two (the Pallas kernels load whole pages in
+# power-of-two blocks) up to CacheConfig's largest page; 8 by default: the built-in task's
+# prompts share a 9-token prefix, so one whole page of it is cached and shared.
+DEFAULT_PAGE_SIZE = 8
+MAX_PAGE_SIZE = 2**16
 # kernels_pallas.KERNEL_CHOICES (JAXRL_CACHE_KERNELS), spelled here: this module imports no jax
 KERNELS = ("xla", "pallas", "interpret")
 # The smallest training temperature above 0 (greedy): the gradient of log-probs of
@@ -54,6 +59,7 @@ class DemoOptions:
     eval_greedy: bool = False  # also score one greedy completion per eval prompt
     checkpoint_every: int = 10
     kv_pages: int | None = None  # None: sized from the job (`_job_kv_pages`)
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (a power of two)
     chunk_steps: int = 16  # decode steps per on-device chunk (async updates land between)
     seed: int = 0
     backend: str = "auto"
@@ -107,6 +113,7 @@ class DemoOptions:
             if value > high:
                 raise ValueError(f"--{name.replace('_', '-')} must be at most {high}, got "
                                  f"{value}")
+        self._check_page_size()
         if self.group_size < 2:
             raise ValueError("--group-size must be >= 2: GRPO advantages compare samples of "
                              "a group")
@@ -158,6 +165,13 @@ class DemoOptions:
         out = pathlib.Path(self.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file, not a directory")
+
+    def _check_page_size(self) -> None:
+        value = self.page_size
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= \
+                MAX_PAGE_SIZE or value & (value - 1):
+            raise ValueError(f"--page-size must be a power of two in [1, {MAX_PAGE_SIZE}], "
+                             f"got {value!r}")
 
     def _check_max_policy_lag(self) -> None:
         from jaxrl_cache.versioning import MAX_POLICY_LAG

@@ -27,8 +27,7 @@ from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.rl.logprobs import next_token_log_probs
 from jaxrl_cache.rl.batch import sample_loss_mask, sample_token_versions, token_flags
 from jaxrl_cache.shapes import bucket
-from kernels_pallas import invariant_kernels
-from kernels_pallas._common import is_power_of_2
+from kernels_pallas import invariant_kernels, is_power_of_2
 from kernels_pallas.blocked import batch_invariant
 
 AUDIT_TOLERANCE = 0.0  # exact numerics: a token whose bits differ is flagged

@@ -318,54 +318,16 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
         k, _, n, w = widths(most, planned_distinct, planned_pairs)
         rows = _dense_rows(sequences, prompt_lengths, parts, groups, (width, n, k, w),
                            micro * per_micro) or rows
-    out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
-                       else np.int32)
-           for k in ("tokens", "positions", "segments", "parents", "targets", "weights",
-                     "behavior", "versions", "advantages", "audited")}
-    out["sources"] = np.zeros(shape, np.int32)
+    out = _empty_fields(shape)
+    per_token = {"weights": weights, "behavior": behavior, "versions": versions,
+                 "audited": audited}
     tiles: dict = {}  # (u, m, b, tile) -> key blocks it sees
     distinct: dict = {}  # (u, m, b) -> the row's distinct tokens' columns
     for u, (part, part_rows) in enumerate(zip(parts, rows)):
         for r, units in enumerate(part_rows):
             row = (u, *divmod(r, per_micro))
-            at, segment, columns = 0, 0, []
-            sources = out["sources"][row]
-            for prefix, members in units:
-                parent, prefix_blocks, prompts = 0, [], []
-                if prefix:  # laid out once; its targets are never scored
-                    segment += 1
-                    seq = np.asarray(sequences[int(part[members[0]])])
-                    out["tokens"][row][at:at + prefix] = seq[:prefix]
-                    out["positions"][row][at:at + prefix] = np.arange(prefix)
-                    out["segments"][row][at:at + prefix] = segment
-                    out["targets"][row][at:at + prefix] = seq[1:prefix + 1]
-                    sources[at:at + prefix] = len(columns) + np.arange(prefix)
-                    columns.extend(range(at, at + prefix))
-                    prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
-                    parent, at = segment, at + prefix
-                for local in members:
-                    segment += 1
-                    i = int(part[local])
-                    seq, p = np.asarray(sequences[i])[prefix:], int(prompt_lengths[i]) - prefix
-                    n, o = len(seq), len(seq) - p
-                    out["tokens"][row][at:at + n] = seq
-                    out["positions"][row][at:at + n] = prefix + np.arange(n)
-                    out["segments"][row][at:at + n] = segment
-                    out["parents"][row][at:at + n] = parent
-                    out["targets"][row][at:at + n - 1] = seq[1:]
-                    out["advantages"][row][at + p - 1:at + n - 1] = advantages[i]
-                    for key, value in (("weights", weights), ("behavior", behavior),
-                                       ("versions", versions), ("audited", audited)):
-                        out[key][row][at + p - 1:at + p - 1 + o] = value[i]
-                    shared, index = _shared_prompt(seq[:p], prompts)
-                    if shared:
-                        sources[at:at + shared] = index[:shared]
-                    sources[at + shared:at + n] = len(columns) + np.arange(n - shared)
-                    columns.extend(range(at + shared, at + n))
-                    prompts.append((seq[:p], sources[at:at + p].copy()))
-                    _tile_blocks(tiles, row, at, n, prefix_blocks)
-                    at += aligned_length(n)
-            distinct[row] = columns
+            distinct[row] = _lay_row(out, tiles, row, units, part, sequences, prompt_lengths,
+                                     advantages, per_token)
     row_pairs: dict = {}  # (u, m, b) -> (tile, key block) pairs with a listed TILE
     for (*row, _), blocks in tiles.items():
         row_pairs[tuple(row)] = row_pairs.get(tuple(row), 0) + -(-len(blocks) // per)
@@ -376,6 +338,86 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
                              planned_distinct if reserved else 0),
                          max(max(row_pairs.values(), default=0), planned_pairs))
     out["scored"] = scored_columns(out["weights"], k)
+    _index_tables(out, tiles, distinct, shape, (km, n, w))
+    return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
+
+
+def _empty_fields(shape) -> dict:
+    """The per-column fields of a PackedBatch of `shape` [U, M, B, R], zero-filled."""
+    out = {k: np.zeros(shape, np.float32 if k in ("weights", "behavior", "advantages")
+                       else np.int32)
+           for k in ("tokens", "positions", "segments", "parents", "targets", "weights",
+                     "behavior", "versions", "advantages", "audited")}
+    out["sources"] = np.zeros(shape, np.int32)
+    return out
+
+
+def _lay_row(out, tiles, row, units, part, sequences, prompt_lengths, advantages,
+             per_token) -> list:
+    """Lays out one packed row's units (a shared prefix once, then its samples) into `out`
+    at `row` (u, m, b) and records its tiles' key blocks in `tiles`; returns the columns of
+    the row's distinct tokens."""
+    at, segment, columns = 0, 0, []
+    for prefix, members in units:
+        parent, prefix_blocks, prompts = 0, [], []
+        if prefix:  # laid out once; its targets are never scored
+            segment += 1
+            seq = np.asarray(sequences[int(part[members[0]])])
+            _lay_prefix(out, row, at, seq, prefix, segment, columns)
+            prefix_blocks = _tile_blocks(tiles, row, at, prefix, [])
+            parent, at = segment, at + prefix
+        for local in members:
+            segment += 1
+            i = int(part[local])
+            seq, p = np.asarray(sequences[i])[prefix:], int(prompt_lengths[i]) - prefix
+            _lay_sample(out, row, at, seq, p, prefix, (segment, parent), advantages[i],
+                        {key: value[i] for key, value in per_token.items()}, prompts, columns)
+            _tile_blocks(tiles, row, at, len(seq), prefix_blocks)
+            at += aligned_length(len(seq))
+    return columns
+
+
+def _lay_prefix(out, row, at: int, seq, prefix: int, segment: int, columns: list) -> None:
+    """A shared prefix (the first `prefix` tokens of seq) at column `at`, its targets included."""
+    sources = out["sources"][row]
+    out["tokens"][row][at:at + prefix] = seq[:prefix]
+    out["positions"][row][at:at + prefix] = np.arange(prefix)
+    out["segments"][row][at:at + prefix] = segment
+    out["targets"][row][at:at + prefix] = seq[1:prefix + 1]
+    sources[at:at + prefix] = len(columns) + np.arange(prefix)
+    columns.extend(range(at, at + prefix))
+
+
+def _lay_sample(out, row, at: int, seq, p: int, prefix: int, segments: tuple, advantage,
+                per_token: dict, prompts: list, columns: list) -> None:
+    """One sample's tokens after its prefix (seq; p of them prompt tokens) at column `at`:
+    its per-token fields on its output tokens' predicting columns, its prompt tokens equal
+    to an earlier sample's of the unit sourced from that one (`_shared_prompt`)."""
+    segment, parent = segments
+    sources = out["sources"][row]
+    n, o = len(seq), len(seq) - p
+    out["tokens"][row][at:at + n] = seq
+    out["positions"][row][at:at + n] = prefix + np.arange(n)
+    out["segments"][row][at:at + n] = segment
+    out["parents"][row][at:at + n] = parent
+    out["targets"][row][at:at + n - 1] = seq[1:]
+    out["advantages"][row][at + p - 1:at + n - 1] = advantage
+    for key, value in per_token.items():
+        out[key][row][at + p - 1:at + p - 1 + o] = value
+    shared, index = _shared_prompt(seq[:p], prompts)
+    if shared:
+        sources[at:at + shared] = index[:shared]
+    sources[at + shared:at + n] = len(columns) + np.arange(n - shared)
+    columns.extend(range(at + shared, at + n))
+    prompts.append((seq[:p], sources[at:at + p].copy()))
+
+
+def _index_tables(out, tiles, distinct, shape, widths: tuple) -> None:
+    """kv_blocks, items and columns of `out` from the tiles' key blocks and the rows'
+    distinct columns, at widths (KM, N, W)."""
+    km, n, w = widths
+    per = KEY_BLOCK // TILE
+    width = shape[3]
     out["kv_blocks"] = np.full((*shape[:3], width // TILE, km), -1, np.int32)
     for (*row, tile), blocks in tiles.items():
         out["kv_blocks"][tuple(row)][tile, :len(blocks)] = blocks
@@ -388,7 +430,6 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     out["columns"] = np.zeros((*shape[:3], n), np.int32)
     for row, columns in distinct.items():
         out["columns"][row][:len(columns)] = columns
-    return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
 
 def _compiled_widths(seen, needs: tuple, width: int, planned: bool) -> tuple[int, ...]:
