@@ -4,8 +4,9 @@ Built on the `tokenizers` library (the Rust tokenizer transformers' fast tokeniz
 tokenizer.json gives the same ids) plus jinja2 for the chat template, rendered with the
 environment transformers uses (sandboxed, trim_blocks, lstrip_blocks, tojson without HTML
 escaping, raise_exception, strftime_now, and its `{% generation %}...{% endgeneration %}`
-tag, which TRL's training templates use to mark assistant text: here it renders its body). transformers' AutoTokenizer would pull in
-transformers (and its import cost) for the same ids; this stays a core dependency.
+tag, which TRL's training templates use to mark assistant text: here it renders its body).
+transformers' AutoTokenizer would pull in transformers (and its import cost) for the same
+ids; this stays a core dependency.
 Stop ids come from generation_config.json's eos_token_id (an int or a list), else the
 tokenizer's eos token.
 """
