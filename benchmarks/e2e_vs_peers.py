@@ -1,5 +1,5 @@
 """GRPO end to end against the frameworks users would pick (issues 21, 34): this library
-through its CLI (`jaxrl-cache demo --model ... --task ...`, chat template, default settings),
+through its CLI (`jaxrl-cache grpo --model ... --dataset ...`, chat template, default settings),
 TRL and tunix run the same workload (benchmarks/peers/common.py: SmolLM2-135M-Instruct,
 examples/tasks/add.jsonl as one-user-message chat prompts, last-integer reward, `--shape`
 prompts x group x new tokens, temperature 1, constant lr 2e-5, one AdamW update per step,

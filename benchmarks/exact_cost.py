@@ -7,7 +7,7 @@ reductions, audit tolerance 0). Each tree runs in its own process with
 resolves into it), under the same interpreter (this one unless --python).
 
 1. End to end, the path users run: the CLI on SmolLM2-135M-Instruct with its chat template,
-       python -m jaxrl_cache.app.cli demo --model DIR --task examples/tasks/add.jsonl
+       python -m jaxrl_cache.app.cli grpo --model DIR --dataset examples/tasks/add.jsonl
            --steps S --prompts-per-step 2 --group-size 8 --max-new-tokens 24 --lr 2e-5 ...
    (--shape 2x8x24: 2 prompts x 8 samples x 24 new tokens, two rollout calls per step: the
    default; 8x8x128 is the README's larger shape), under
@@ -213,8 +213,8 @@ def run_demo(python: str, tree: pathlib.Path, model: pathlib.Path, steps: int, o
     """One CLI demo run; shape = (prompts per step, group size, max new tokens)."""
     task = tree / "examples/tasks/add.jsonl"
     prompts, group, new = map(str, shape)
-    cmd = ["/usr/bin/time", "-v", python, "-m", "jaxrl_cache.app.cli", "demo",
-           "--model", str(model), "--task", str(task), "--steps", str(steps),
+    cmd = ["/usr/bin/time", "-v", python, "-m", "jaxrl_cache.app.cli", "grpo",
+           "--model", str(model), "--dataset", str(task), "--steps", str(steps),
            "--prompts-per-step", prompts, "--group-size", group, "--max-new-tokens", new,
            "--lr", "2e-5", "--eval-prompts", "2", "--checkpoint-every", str(steps + 1),
            "--seed", "0", "--out", str(out), "--overwrite", *extra]

@@ -5,11 +5,11 @@ GRPOTrainer, seeds 0-2.
     .venv/bin/python benchmarks/real_model_vs_trl.py [--seeds 0 1 2] [--systems jaxrl trl]
         [--tag cpu-2026-12-07]
 
-Ours: `jaxrl-cache demo --model ... --task examples/tasks/add.jsonl --answer-regex '(-?\\d+)'
+Ours: `jaxrl-cache grpo --model ... --dataset examples/tasks/add.jsonl --answer-regex '(-?\\d+)'
 --prompts-per-step 2 --group-size 8 --rollout-calls 1 --max-new-tokens 24 --lr 2e-5
 --warmup-steps 0 --eval-prompts 30 --steps 15 --seed S --eval-every 5` (that command
 plus a seed and mid-run evals). TRL: benchmarks/peers/trl_learning.py in /work/torchvenv
-(torch CPU, trl), given the very rows the CLI draws (its JsonlTask, `default_rng([seed, 0,
+(torch CPU, trl), given the very rows the CLI draws (its DatasetTask, `default_rng([seed, 0,
 step])`: 2 training prompts per step) and its 30 held-out eval prompts (every 4th example
 from the last, `default_rng([seed, 2])` order), the same chat template, reward, group 8,
 lr 2e-5 constant (as the CLI's --warmup-steps 0 gives: CLI_WARMUP), Adam b2
@@ -57,7 +57,7 @@ CLI_WARMUP = 0
 TRL_THREADS = 1
 RESUMES = 3
 BAR_REWARD, BAR_GAIN = 0.8, 0.4  # issue 60: reward >= 0.8 by step 15, eval +0.4 or more
-CLI = ["--model", str(MODEL), "--task", str(TASK), "--answer-regex", r"(-?\d+)",
+CLI = ["--model", str(MODEL), "--dataset", str(TASK), "--answer-regex", r"(-?\d+)",
        "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--rollout-calls", "1",
        "--max-new-tokens", str(NEW_TOKENS), "--lr", "2e-5", "--warmup-steps", "0",
        "--eval-prompts", str(EVAL_PROMPTS), "--steps", str(STEPS)]
@@ -75,7 +75,7 @@ def run_jaxrl(seed: int, work: pathlib.Path, rerun: bool = False) -> dict:
     processes named `jaxrl-cache demo` SIGTERMed two runs started by that name."""
     out = work / f"jaxrl-s{seed}"
     cmd = ["nice", "-n", "19", str(ROOT / ".venv/bin/python"), "-m", "jaxrl_cache.app.cli",
-           "demo", *CLI, "--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out",
+           "grpo", *CLI, "--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out",
            str(out)]
     log = work / f"jaxrl-s{seed}.log"
     resumes = 0
@@ -119,8 +119,8 @@ def run_jaxrl(seed: int, work: pathlib.Path, rerun: bool = False) -> dict:
 
 def plan_for(seed: int) -> dict:
     """The CLI's own draws for this seed: training rows per step, held-out eval rows."""
-    from jaxrl_cache.app.tasks import JsonlTask, Reward
-    task = JsonlTask(TASK, Reward(r"(-?\d+)", "numeric"))
+    from jaxrl_cache.app.tasks import DatasetTask, Reward
+    task = DatasetTask(TASK, Reward(r"(-?\d+)", "numeric"))
 
     def row(e):
         return dict(prompt=e.prompt, answer=e.answer)

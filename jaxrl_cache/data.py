@@ -9,7 +9,9 @@ becomes a user message after it). An answer is a string or a number: ints and in
 floats are written as integers (`72`, `72.0` -> "72"), other floats by `repr` (`0.5`);
 bools, NaN and infinities are refused. A string answer holding `####` is GSM8K's (a
 worked solution ending in `#### 1,000`): with `gsm8k_answers=True` (the default) the answer
-is what follows the last `####`, stripped, commas removed (`gsm8k_answer`).
+is what follows the last `####`, stripped, commas removed (`gsm8k_answer`). With
+`answer_key=None` the rows need no answer (a task scored by reward functions alone): every
+Example's answer is None.
 
 Errors are `RowError` (a ValueError) naming the row by its index (`RowError.index`), so a
 caller that knows where rows came from (a file's line numbers) can say where. No jax here.
@@ -34,9 +36,10 @@ class RowError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One task item: the prompt (text, or chat messages as a tuple of dicts), the answer
-    as text, and the row it came from (for rewards that read other fields; not compared)."""
+    as text (None: the task has none), and the row it came from (for rewards that read
+    other fields; not compared)."""
     prompt: Any  # str | tuple[dict, ...]
-    answer: str
+    answer: str | None
     row: Mapping | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -84,17 +87,20 @@ def _messages(value) -> tuple[dict, ...]:
 
 
 def prompts_from_rows(rows: Iterable[Mapping], *, prompt_key: str = "prompt",
-                      answer_key: str = "answer", system_prompt: str | None = None,
+                      answer_key: str | None = "answer", system_prompt: str | None = None,
                       gsm8k_answers: bool = True) -> list[Example]:
     """One Example per row, in order (see the module doc). Each row must be a mapping with
-    `prompt_key` (text or chat messages) and `answer_key` (a string or a number); RowError
-    naming the row and the field otherwise. `row` keeps the whole mapping."""
+    `prompt_key` (text or chat messages) and `answer_key` (a string or a number; None: no
+    answer); RowError naming the row and the field otherwise. `row` keeps the whole
+    mapping."""
     examples = []
+    keys = (prompt_key,) if answer_key is None else (prompt_key, answer_key)
     for index, row in enumerate(rows):
-        expected = f"expected an object with fields {prompt_key!r} and {answer_key!r}"
+        expected = f"expected an object with field{'s' * (len(keys) > 1)} " + \
+            " and ".join(map(repr, keys))
         if not isinstance(row, Mapping):
             raise RowError(index, f"{expected}, got {type(row).__name__} {row!r:.60}")
-        missing = [k for k in (prompt_key, answer_key) if k not in row]
+        missing = [k for k in keys if k not in row]
         if missing:
             which = "prompt" if missing[0] == prompt_key else "answer"
             raise RowError(index, f"{expected}; it has no {missing[0]!r} (its fields: "
@@ -114,7 +120,8 @@ def prompts_from_rows(rows: Iterable[Mapping], *, prompt_key: str = "prompt",
         except TypeError as e:
             raise RowError(index, f"{prompt_key!r}: {e}") from None
         try:
-            answer = canonical_answer(row[answer_key], gsm8k_answers=gsm8k_answers)
+            answer = None if answer_key is None else canonical_answer(
+                row[answer_key], gsm8k_answers=gsm8k_answers)
         except (TypeError, ValueError) as e:
             raise RowError(index, f"{answer_key!r}: {e}") from None
         examples.append(Example(prompt, answer, row))
@@ -128,7 +135,7 @@ def read_rows(path) -> tuple[list, list[int]]:
     when it is missing, not UTF-8 or not valid JSON."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"--task {path}: no such file")
+        raise ValueError(f"--dataset {path}: no such file")
     data = path.read_bytes()
     if data.lstrip().startswith(b"["):
         try:

@@ -172,13 +172,13 @@ def test_math_verify_missing_is_one_line_before_any_work(monkeypatch, tmp_path, 
     task = tmp_path / "t.jsonl"
     task.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     out = tmp_path / "run"
-    assert cli.main(["demo", "--task", str(task), "--answer-check", "math-verify",
+    assert cli.main(["grpo", "--dataset", str(task), "--answer-check", "math-verify",
                      "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--answer-check: the math-verify answer check needs" in err
     assert not out.exists()
     with pytest.raises(ValueError, match="must be one of exact, numeric, math-verify"):
-        DemoOptions(task=str(task), answer_check="fuzzy")
+        DemoOptions(dataset=str(task), answer_check="fuzzy")
 
 
 REWARDS_FILE = """
@@ -190,9 +190,10 @@ seen = {}
 
 
 def test_demo_options_and_the_rewards_a_run_scores(tmp_path):
-    """--answer-check defaults to numeric with --task (exact for the built-in task) and
-    applies to a task only; --reward imports its function up front, adds it to the answer
-    reward with its weight, and gives it TRL's keywords with the task row's columns."""
+    """--answer-check defaults to numeric with --dataset (exact for the built-in task) and
+    applies to a dataset only; --reward imports its function up front; given with
+    --answer-check, the answer reward joins it (without, --reward's functions are the
+    rewards, as TRL's reward_funcs); it gets TRL's keywords with the row's columns."""
     from jaxrl_cache.app import demo
     from jaxrl_cache.app.options import DemoOptions
     from jaxrl_cache.app.tasks import char_tokenizer
@@ -201,9 +202,11 @@ def test_demo_options_and_the_rewards_a_run_scores(tmp_path):
                                         "answer": NATALIA_SOLUTION}) + "\n" for k in range(4)))
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
     spec = f"{tmp_path / 'my_rewards.py'}:fmt=0.5"
-    opts = DemoOptions(task=str(rows), prompt_key="question", rewards=[spec],
-                       out=str(tmp_path / "run"))
-    assert opts.rewards == (spec,) and opts.answer_check is None
+    only = DemoOptions(dataset=str(rows), prompt_key="question", rewards=[spec])
+    assert not only.answer_in_rewards and DemoOptions(dataset=str(rows)).answer_in_rewards
+    opts = DemoOptions(dataset=str(rows), prompt_key="question", rewards=[spec],
+                       answer_check="numeric", out=str(tmp_path / "run"))
+    assert opts.rewards == (spec,) and opts.answer_in_rewards
     task = demo._make_task(opts)
     assert task.reward.check == "numeric" and demo._make_task(DemoOptions()).reward.check \
         == "exact"
@@ -221,7 +224,7 @@ def test_demo_options_and_the_rewards_a_run_scores(tmp_path):
     seen = source.reward.fns[1].fn.__globals__["seen"]
     assert seen["answer"] == [NATALIA_SOLUTION] * 4  # the row's own field, as TRL passes it
     assert seen["prompts"] == [examples[0].prompt] * 2 + [examples[1].prompt] * 2
-    for bad, match in [(dict(answer_check="numeric"), "--answer-check applies to a --task"),
+    for bad, match in [(dict(answer_check="numeric"), "--answer-check applies to a --dataset"),
                        (dict(env="calculator", rewards=[spec]), "--reward: with --env"),
                        (dict(rewards=["nope"]), "--reward 'nope': expected module:function"),
                        (dict(rewards=[f"{spec[:-4]}=1", f"{spec[:-4]}=2"]),
@@ -233,7 +236,7 @@ def test_demo_options_and_the_rewards_a_run_scores(tmp_path):
 def test_cli_flags_reach_the_options():
     from jaxrl_cache.app import cli
     args = cli.build_parser().parse_args(
-        ["demo", "--task", "t.jsonl", "--answer-check", "math-verify", "--reward", "m:f",
+        ["grpo", "--dataset", "t.jsonl", "--answer-check", "math-verify", "--reward", "m:f",
          "--reward", "n:g=0.5"])
     assert args.answer_check == "math-verify" and args.rewards == ["m:f", "n:g=0.5"]
     assert cli.build_parser().parse_args(["demo"]).rewards is None

@@ -61,7 +61,7 @@ def captured(monkeypatch):
 
 def _run(argv, captured, capsys):
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err.strip() == "jaxrl-cache demo: error: not run"
+    assert capsys.readouterr().err.strip() == f"jaxrl-cache {argv[0]}: error: not run"
     return captured[-1]
 
 
@@ -88,7 +88,7 @@ def test_config_files_yaml_and_json_flags_override(tmp_path, captured, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(YAML)
     task = REPO / "examples" / "tasks" / "add.jsonl"
-    opts, given = _run(["demo", "--config", str(config), "--task", str(task),
+    opts, given = _run(["grpo", "--config", str(config), "--dataset", str(task),
                         "--prompts-per-step", "4", "--eval-k", "3"], captured, capsys)
     assert (opts.group_size, opts.prompts_per_step) == (4, 4)
     assert (opts.lr, opts.kl_beta) == (3e-4, 0.04)
@@ -99,7 +99,7 @@ def test_config_files_yaml_and_json_flags_override(tmp_path, captured, capsys):
     assert opts.sft_steps is None and opts.steps == DemoOptions.steps
     assert given == {"group_size", "prompts_per_step", "lr", "kl_beta", "clip_eps", "epochs",
                      "stop", "answer_regex", "eval_greedy", "remat",
-                     "compute_dtype", "weight_decay", "task", "eval_k"}
+                     "compute_dtype", "weight_decay", "dataset", "eval_k"}
     train = demo.train_config(opts, async_rollouts=False)
     assert (train.kl_beta, train.clip_eps, train.epochs, train.remat) == (0.04, 0.3, 2, "dots")
     as_json = tmp_path / "run.json"
@@ -148,7 +148,8 @@ def test_every_train_config_and_sampling_field_is_a_setting():
                "n": "--group-size", "stop_token_ids": "the tokenizer's EOS ids",
                "max_new_tokens": "--max-new-tokens"}
     options = {f.name for f in dataclasses.fields(DemoOptions)}
-    flags = {a.dest for a in cli._subparser(cli.build_parser(), "demo")._actions}
+    flags = {a.dest for command in ("grpo", "demo")
+             for a in cli._subparser(cli.build_parser(), command)._actions}
     for config in (TrainConfig, SamplingParams):
         for f in dataclasses.fields(config):
             if f.name not in derived:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from jaxrl_cache.app import cli, demo
-from jaxrl_cache.app.tasks import JsonlTask
+from jaxrl_cache.app.tasks import DatasetTask
 from jaxrl_cache.data import (Example, RowError, canonical_answer, gsm8k_answer,
                               prompts_from_rows, read_rows)
 from jaxrl_cache.models import load_tokenizer
@@ -88,7 +88,7 @@ def test_jsonl_and_json_task_files_name_the_line(tmp_path):
     assert read_rows(listed) == (rows, list(range(2, 10)))
     assert read_rows(lines) == (rows, list(range(1, 17, 2)))
     for path in (listed, lines):
-        task = JsonlTask(path, prompt_key="q", answer_key="a")
+        task = DatasetTask(path, prompt_key="q", answer_key="a")
         assert [(e.prompt, e.answer) for e in task.examples] == \
             [(r["q"], str(r["a"])) for r in rows]
         assert len(task.held_out) == 2 and len(task.train) == 6
@@ -96,11 +96,11 @@ def test_jsonl_and_json_task_files_name_the_line(tmp_path):
     listed.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
     with pytest.raises(ValueError, match=r"task.json:7: expected an object with fields 'q' "
                                          r"and 'a'; it has no 'a'"):
-        JsonlTask(listed, prompt_key="q", answer_key="a")
+        DatasetTask(listed, prompt_key="q", answer_key="a")
     chat = tmp_path / "chat.jsonl"  # chat prompts: held-out ones are never trained on
     chat.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": c}],
                                         "answer": "1"}) + "\n" for c in "abcdea"))
-    task = JsonlTask(chat)
+    task = DatasetTask(chat)
     assert [e.prompt[0]["content"] for e in task.held_out] == ["b", "a"]
     assert {e.prompt[0]["content"] for e in task.train} == {"c", "d", "e"}
 
@@ -116,11 +116,13 @@ def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
     task = tmp_path / "t.jsonl"
     task.write_text("".join(json.dumps({"prompt": f"{i}", "answer": "1"}) + "\n"
                             for i in range(4)))
-    err = _cli_error(["demo", "--task", str(task), "--system-prompt", "Be brief.",
+    err = _cli_error(["grpo", "--dataset", str(task), "--system-prompt", "Be brief.",
                       "--out", str(tmp_path / "run")], capsys)
     assert "chat-format prompts" in err and "need a model with a chat template" in err
-    assert "--system-prompt applies to a --task file" in _cli_error(
-        ["demo", "--system-prompt", "x", "--out", str(tmp_path / "run")], capsys)
+    with pytest.raises(SystemExit) as info:  # the built-in task has plain prompts
+        cli.main(["demo", "--system-prompt", "x", "--out", str(tmp_path / "run")])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --system-prompt" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
@@ -157,7 +159,7 @@ def test_model_from_the_hub_cache_offline(tmp_path, monkeypatch, capsys):
     task = tmp_path / "chat.json"
     task.write_text(json.dumps([{"question": [{"role": "user", "content": f"{i}+1"}],
                                  "answer": f"x\n#### {i + 1}"} for i in range(6)]))
-    argv = ["demo", "--model", "org/tiny-qwen2", "--task", str(task), "--prompt-key",
+    argv = ["grpo", "--model", "org/tiny-qwen2", "--dataset", str(task), "--prompt-key",
             "question", "--system-prompt", "Add.", "--max-new-tokens", "4", "--out",
             str(tmp_path / "run")]
     tok = load_tokenizer(snapshot)
@@ -167,7 +169,7 @@ def test_model_from_the_hub_cache_offline(tmp_path, monkeypatch, capsys):
     err = _cli_error(argv + ["--kv-pages", "2"], capsys)
     assert f"--kv-pages 2 cannot hold one sample: the longest prompt + --max-new-tokens, " \
            f"{longest} tokens" in err
-    opts = demo.DemoOptions(model="org/tiny-qwen2", task=str(task), sft_steps=0)
+    opts = demo.DemoOptions(model="org/tiny-qwen2", dataset=str(task), sft_steps=0)
     assert demo._initial_policy(opts, None, None) == snapshot  # GRPO starts from the cache
     assert "not in the Hugging Face cache" in _cli_error(
         ["demo", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--out", str(tmp_path / "q")],

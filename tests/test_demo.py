@@ -18,7 +18,7 @@ import pytest
 from jaxrl_cache.app import cli, demo
 from jaxrl_cache.rl import loop
 from jaxrl_cache.app.run_dir import RunDir
-from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
+from jaxrl_cache.app.tasks import CopyDigits, DatasetTask, Reward, char_tokenizer
 from jaxrl_cache.models import (ModelConfig, forward, from_pretrained, init_params,
                                 load_tokenizer, save_pretrained)
 from jaxrl_cache.rl.checkpoint import latest_checkpoint_version
@@ -66,7 +66,7 @@ def test_builtin_task_and_char_tokenizer():
 
 
 def test_jsonl_task(tmp_path):
-    task = JsonlTask(TASK_FILE)
+    task = DatasetTask(TASK_FILE)
     rows = [json.loads(line) for line in TASK_FILE.read_text().splitlines()]
     assert [(e.prompt, e.answer) for e in task.examples] == [(r["prompt"], r["answer"])
                                                              for r in rows]
@@ -81,15 +81,15 @@ def test_jsonl_task(tmp_path):
     dup = tmp_path / "dup.jsonl"  # a held-out prompt is never trained on, even if repeated
     dup.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
                            for p in "abcdea"))
-    assert [e.prompt for e in JsonlTask(dup).held_out] == ["b", "a"]
-    assert {e.prompt for e in JsonlTask(dup).train} == {"c", "d", "e"}
+    assert [e.prompt for e in DatasetTask(dup).held_out] == ["b", "a"]
+    assert {e.prompt for e in DatasetTask(dup).train} == {"c", "d", "e"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "b"}\n\n{"prompt": "a"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: expected"):
-        JsonlTask(bad)
+        DatasetTask(bad)
     bad.write_text('{"prompt": "a", "answer": "b"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        JsonlTask(bad)
+        DatasetTask(bad)
 
 
 def test_sft_loss_matches_numpy_and_step_descends():
@@ -246,7 +246,7 @@ def test_bundled_task_file_through_the_cli(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(demo.RolloutEngine, "rollout", spy)
     out = tmp_path / "add"
-    code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "2", "--out", str(out),
+    code = cli.main(["grpo", "--dataset", str(TASK_FILE), "--steps", "2", "--out", str(out),
                      *SMALL_ARGS, "--max-new-tokens", "3"])
     assert code == 0
     text = capsys.readouterr().out
@@ -262,12 +262,14 @@ def test_bundled_task_file_through_the_cli(tmp_path, capsys, monkeypatch):
 
 
 def test_summary_says_before_grpo_without_a_warm_start(tmp_path, capsys):
-    """(Also: --reward adds a TRL-shaped function to the answer reward, each logged.)"""
+    """(Also: --reward with --answer-check adds a TRL-shaped function to the answer
+    reward, each logged.)"""
     (tmp_path / "extra.py").write_text("def quarter(completions, **kwargs):\n"
                                        "    return [0.25] * len(completions)\n")
-    code = cli.main(["demo", "--task", str(TASK_FILE), "--steps", "1", "--out",
+    code = cli.main(["grpo", "--dataset", str(TASK_FILE), "--steps", "1", "--out",
                      str(tmp_path / "run"), *SMALL_ARGS, "--sft-steps", "0",
-                     "--max-new-tokens", "3", "--reward", f"{tmp_path / 'extra.py'}:quarter=2"])
+                     "--max-new-tokens", "3", "--reward", f"{tmp_path / 'extra.py'}:quarter=2",
+                     "--answer-check", "numeric"])
     assert code == 0
     text = capsys.readouterr().out
     assert "before GRPO" in text and "after SFT" not in text
@@ -368,14 +370,17 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
     (["demo", "--group-size", "1"], "group-size must be >= 2"),
     (["demo", "--seed", str(2**70)], "--seed must be an integer in [0, 2**32 - 1]"),
     (["demo", "--resume", "--overwrite"], "exclude each other"),
-    (["demo", "--answer-regex", "x"], "applies to a --task file"),
-    (["demo", "--task", "/nonexistent.jsonl"], "no such file"),
+    (["demo", "--answer-regex", "x"], "unrecognized arguments: --answer-regex"),
+    (["grpo", "--dataset", "/nonexistent.jsonl"], "no such file"),
+    (["grpo"], "--dataset is required"),
+    (["demo", "--dataset", "x.jsonl"], "unrecognized arguments: --dataset"),
     (["demo", "--mesh", "trainer=4"], "needs both trainer and engine"),
     (["demo", "--mesh", "gpus=8"], "cannot read 'gpus=8'; expected trainer=F or trainer=DxF"),
     (["demo", "--mesh", "trainer=0,engine=4"], "every size must be >= 1"),
     (["demo", "--mesh", "trainer=2,engine=2,engine=4"], "engine given twice"),
     (["nope"], "invalid choice"),
-    (["demo", "--env", "calculator", "--task", str(TASK_FILE)], "excludes --task and --model"),
+    (["demo", "--env", "calculator", "--model", "m"], "excludes --dataset and --model"),
+    (["grpo", "--env", "calculator"], "unrecognized arguments: --env"),
     (["demo", "--env", "chess"], "invalid choice"),
 ])
 def test_cli_bad_flags_give_one_line(argv, message, capsys, tmp_path, monkeypatch):
@@ -418,16 +423,15 @@ def test_cli_mesh_without_enough_devices_gives_one_line_and_writes_nothing(tmp_p
     assert not out.exists()
 
 
-def test_cli_help_documents_every_flag(capsys):
+@pytest.mark.parametrize("command", ["grpo", "demo"])
+def test_cli_help_documents_every_flag(capsys, command):
     with pytest.raises(SystemExit):
-        cli.main(["demo", "--help"])
+        cli.main([command, "--help"])
     text = capsys.readouterr().out
-    parser = cli.build_parser()
-    demo_parser = next(a for a in parser._subparsers._group_actions[0].choices.values()
-                       if a.prog.endswith("demo"))
-    for action in demo_parser._actions:
+    for action in cli._subparser(cli.build_parser(), command)._actions:
         assert action.help, action.option_strings
-    assert "--resume" in text and "Ctrl-C" in text and "--model" in text and "JSONL" in text
+    assert "--resume" in text and "Ctrl-C" in text and "--model" in text
+    assert ("--dataset" in text and "JSONL" in text) == (command == "grpo")
 
 
 def _cli_error(argv, capsys) -> str:
@@ -447,11 +451,12 @@ def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         {"prompt": "x" * 70, "answer": "1"}) + "\n")  # 71 tokens + 64 new > 128
     empty = tmp_path / "not_a_model"
     empty.mkdir()
-    return [(["--task", "/nonexistent.jsonl"], "--task /nonexistent.jsonl: no such file"),
-            (["--task", str(binary)], f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"),
-            (["--task", str(long)], f"{long}:3: the prompt is 71 tokens; with 64 new tokens it "
-                                    f"exceeds the max_seq_len 128 of the built-in model"),
-            (["--model", str(empty)], str(empty / "config.json"))]
+    data = ["grpo", "--dataset"]
+    return [([*data, "/nonexistent.jsonl"], "--dataset /nonexistent.jsonl: no such file"),
+            ([*data, str(binary)], f"{binary}:2: not UTF-8 text (byte 0xe9 at column 16)"),
+            ([*data, str(long)], f"{long}:3: the prompt is 71 tokens; with 64 new tokens it "
+                                 f"exceeds the max_seq_len 128 of the built-in model"),
+            (["demo", "--model", str(empty)], str(empty / "config.json"))]
 
 
 def test_cli_checks_input_files_before_the_previous_run_in_the_working_directory(
@@ -465,7 +470,7 @@ def test_cli_checks_input_files_before_the_previous_run_in_the_working_directory
     (previous / "metrics.jsonl").write_text('{"step": 0}\n')
     before = sorted(p.name for p in previous.iterdir())
     for argv, message in _bad_inputs(tmp_path):
-        assert message in _cli_error(["demo", *argv], capsys)
+        assert message in _cli_error(argv, capsys)
     assert sorted(p.name for p in previous.iterdir()) == before
     assert "holds a previous run" in _cli_error(["demo", "--sft-steps", "0"], capsys)
 
@@ -476,7 +481,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_to_refuse(t
     behind, so the same command gives the same error again (not "holds a previous run")."""
     for argv, message in _bad_inputs(tmp_path):
         out = tmp_path / "never"
-        assert message in _cli_error(["demo", "--out", str(out), *argv], capsys)
+        assert message in _cli_error([*argv, "--out", str(out)], capsys)
         assert not out.exists()
     tok = char_tokenizer()
     model = save_pretrained(tmp_path / "model", demo.builtin_model_config(tok.vocab_size),
@@ -516,7 +521,7 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
     (["--max-policy-lag", "5000"], "--max-policy-lag must be an integer in [0, 1024]"),
     (["--chunk-steps", str(10**12)], "--chunk-steps must be at most 4096"),
     (["--max-new-tokens", "100000"], "exceeds the max_seq_len 128"),
-    (["--task", str(TASK_FILE), "--max-new-tokens", "100000"], "exceeds the max_seq_len"),
+    (["--dataset", str(TASK_FILE), "--max-new-tokens", "100000"], "exceeds the max_seq_len"),
     (["--env", "calculator", "--kv-pages", "10"], "--kv-pages 10 cannot hold one sample: an "
                                                    "episode"),
     (["--async", "--mini-batches", "4", "--max-policy-lag", "300"],
@@ -541,7 +546,8 @@ def test_job_flags_are_checked_before_any_work(argv, message, tmp_path, capsys):
     out = tmp_path / "run"
     start = time.perf_counter()
     steps = [] if "--steps" in argv else ["--steps", "1"]
-    assert cli.main(["demo", "--out", str(out), *steps, *argv]) == 2
+    command = "grpo" if "--dataset" in argv else "demo"
+    assert cli.main([command, "--out", str(out), *steps, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and "Traceback" not in err, err
     assert time.perf_counter() - start < 30  # no warm start ran

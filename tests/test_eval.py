@@ -64,18 +64,18 @@ GSM8K_LIKE = [{"question": f"{a}+{b}=", "answer": f"{a} + {b} = <<{a}+{b}={a + b
 
 
 def test_eval_every_records_through_a_config_file_then_resume(tmp_path, capsys):
-    """A JSON task of GSM8K rows and a YAML config: every 2nd step's row holds the eval
+    """A JSON dataset of GSM8K rows and a YAML config: every 2nd step's row holds the eval
     metrics, the last one equals the after-GRPO eval (same prompts, key and params); a
     --resume may change --eval-every, not --eval-k."""
     task = tmp_path / "gsm8k.json"
     task.write_text(json.dumps(GSM8K_LIKE))
     config = tmp_path / "run.yaml"
-    config.write_text(f"task: {task}\nprompt-key: question\neval_every: 2\neval_k: 2\n"
+    config.write_text(f"dataset: {task}\nprompt-key: question\neval_every: 2\neval_k: 2\n"
                       f"eval_greedy: true\nsft_steps: 2\nsft_batch: 4\neval_prompts: 2\n"
                       f"group_size: 2\nprompts_per_step: 2\nmax_new_tokens: 5\n"
                       f"checkpoint_every: 2\n")
     out = tmp_path / "run"
-    assert cli.main(["demo", "--config", str(config), "--steps", "2", "--out",
+    assert cli.main(["grpo", "--config", str(config), "--steps", "2", "--out",
                      str(out)]) == 0
     text = capsys.readouterr().out
     rows = read_rows(out)
@@ -88,11 +88,11 @@ def test_eval_every_records_through_a_config_file_then_resume(tmp_path, capsys):
     assert f"after GRPO {last['eval/exact_match']:.3f}" in text
     assert all(r["sample"]["answer"] in {str(x["answer"].split("#### ")[1]).replace(",", "")
                                          for x in GSM8K_LIKE} for r in rows)
-    assert "1000" in {e.answer for e in demo.JsonlTask(task, prompt_key="question").examples}
-    assert cli.main(["demo", "--config", str(config), "--out", str(out), "--resume",
+    assert "1000" in {e.answer for e in demo.DatasetTask(task, prompt_key="question").examples}
+    assert cli.main(["grpo", "--config", str(config), "--out", str(out), "--resume",
                      "--steps", "3", "--eval-k", "3"]) == 2
     assert "--eval-k 3 (the run has 2)" in capsys.readouterr().err
-    assert cli.main(["demo", "--config", str(config), "--out", str(out), "--resume",
+    assert cli.main(["grpo", "--config", str(config), "--out", str(out), "--resume",
                      "--steps", "3", "--eval-every", "1"]) == 0
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@2" in rows[2]

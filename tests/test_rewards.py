@@ -93,7 +93,8 @@ def test_batched_equals_per_sample_and_gets_trls_arguments():
     assert both == per_sample
     assert seen["prompts"] == [decode((0, i)) for i in range(8)]
     assert seen["completion_ids"] == [[i] * len(t) for i, t in enumerate(TEXTS)]
-    assert set(seen) == {"prompts", "completion_ids"}
+    assert set(seen) == {"prompts", "completion_ids", "trainer_state"}
+    assert (seen["trainer_state"].global_step, seen["trainer_state"].max_steps) == (3, None)
 
     rows = Rewards((batched(length_batched),), columns=lambda meta, s: dict(
         prompt=f"p{s.group}", answer=s.group * 10, **({"extra": 1} if s.group == 3 else {})))

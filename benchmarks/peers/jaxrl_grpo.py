@@ -1,4 +1,4 @@
-"""GRPO with this library through the path users run: `jaxrl-cache demo --model ... --task
+"""GRPO with this library through the path users run: `jaxrl-cache grpo --model ... --dataset
 ...` (the CLI, chat template on, default settings), in this process so each step's compiles
 are counted. One `STEP {json}` line per GRPO step (the demo's own metrics row).
 
@@ -64,7 +64,7 @@ def main() -> None:
 
     demo.grpo_step = timed_step
     out = tempfile.mkdtemp(prefix="jaxrl_grpo_")
-    argv = ["demo", "--model", common.MODEL, "--task", str(common.TASK),
+    argv = ["grpo", "--model", common.MODEL, "--dataset", str(common.TASK),
             "--answer-regex", r"(-?\d+)", "--steps", str(args.steps),
             "--prompts-per-step", str(common.PROMPTS_PER_STEP),
             "--group-size", str(common.GROUP), "--max-new-tokens", str(common.MAX_NEW_TOKENS),

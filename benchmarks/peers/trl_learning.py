@@ -4,7 +4,7 @@ the torch venv (torch 2.13.0 CPU, transformers, trl, datasets), one seed per pro
 
     /work/torchvenv/bin/python benchmarks/peers/trl_learning.py PLAN.json
 
-PLAN.json (written by the parent from jaxrl_cache's own JsonlTask, so both systems see the
+PLAN.json (written by the parent from jaxrl_cache's own DatasetTask, so both systems see the
 same rows): model, seed, steps, group, max_new_tokens, lr, warmup_steps, temperature,
 adam_b2, eval_every, threads, "train" (per step, its prompts_per_step {"prompt", "answer"}
 rows: the CLI's draws) and "eval" (the CLI's held-out eval prompts, in its order).

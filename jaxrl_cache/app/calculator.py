@@ -128,6 +128,7 @@ class CalculatorTask:
     reward: Reward = Reward()  # single-turn scoring of a direct answer (no tool)
 
     name = "calculator"
+    has_answers = True
 
     def __post_init__(self):
         if not 1 <= self.num_digits <= MAX_OPERAND_DIGITS:

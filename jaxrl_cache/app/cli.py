@@ -1,4 +1,5 @@
-"""`jaxrl-cache` command line: `demo` (GRPO end to end on CPU) and `bench` (benchmarks)."""
+"""`jaxrl-cache` command line: `grpo` (GRPO on a dataset with reward functions: a TRL
+recipe's), `demo` (the same run on the built-in task, end to end on CPU) and `bench`."""
 from __future__ import annotations
 
 import argparse
@@ -50,30 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
                         help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    demo = sub.add_parser("demo", help="SFT warm start + GRPO on a text task (CPU, ~3 min)",
-                          description=(
-                              "Trains a policy by GRPO on a text task with a verifiable reward. "
-                              "Default: a small built-in model with a character tokenizer, "
-                              "saved as a Hugging Face directory, warm-started by a short SFT, "
-                              "then GRPO on 'repeat the number' (exact match). Each step: "
-                              "rollout at the current version -> decode -> rewards -> audit "
-                              "of every sample -> train_step -> sync_weights. Writes to --out: "
-                              "run.json, metrics.jsonl, demo.png, checkpoints/, sft_model/, "
-                              "final_model/ (the exported policy). Ctrl-C or SIGTERM stops "
-                              "after the current step and saves; --resume continues. Exit "
-                              "status: 0 done, 1 an audit failed, 2 bad input, 130 stopped "
-                              "by Ctrl-C (143 by SIGTERM)."))
-    from jaxrl_cache.app.options import DemoOptions  # no jax: --help stays fast
-    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(DemoOptions)})
-    demo.add_argument("--config", metavar="FILE", help="read settings from a YAML or JSON "
-                      "mapping: the flags' names (dashes or underscores; async for --async), "
-                      "a list for --stop, true for a switch; flags given here override it; "
-                      "unknown names are an error")
-    _policy_arguments(demo.add_argument_group("policy and task").add_argument)
-    _grpo_arguments(demo.add_argument_group("warm start and GRPO").add_argument, d)
-    _trainer_arguments(demo.add_argument_group("train step").add_argument, d)
-    _engine_arguments(demo.add_argument_group("rollout engine").add_argument, d)
-    _run_arguments(demo.add_argument_group("run directory").add_argument, d)
+    _run_parser(sub.add_parser(
+        "grpo", help="GRPO on your dataset with your reward functions (a TRL recipe)",
+        description=(
+            "Trains a policy by GRPO on --dataset's prompts (a JSONL, JSON or parquet file, "
+            "a datasets directory saved with save_to_disk, or a Hub dataset) with reward "
+            "functions written as for TRL's GRPOTrainer (--reward), or the answer column's "
+            "check. Each step: rollout at the current version -> decode -> rewards -> audit "
+            "of every sample -> train_step -> sync_weights. " + _RUN_TEXT)), "grpo")
+    _run_parser(sub.add_parser(
+        "demo", help="SFT warm start + GRPO on a built-in task (CPU, ~3 min)",
+        description=(
+            "The grpo run on a built-in task: a small built-in model with a character "
+            "tokenizer, saved as a Hugging Face directory, warm-started by a short SFT, then "
+            "GRPO on 'repeat the number' (exact match), or --env calculator. " + _RUN_TEXT)),
+        "demo")
     bench = sub.add_parser("bench", help="run the CPU benchmark suite and print its figures",
                            description="Runs benchmarks/ with pytest-benchmark and prints a "
                                        "table of the figures (ratios measured side by side).")
@@ -81,6 +73,40 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the fast benchmarks (cache bookkeeping and kernels)")
     bench.add_argument("--json", metavar="PATH", help="also write pytest-benchmark's JSON here")
     return parser
+
+
+_RUN_TEXT = ("Writes to --out: run.json, metrics.jsonl, demo.png, checkpoints/, sft_model/, "
+             "final_model/ (the exported policy). Ctrl-C or SIGTERM stops after the current "
+             "step and saves; --resume continues. Exit status: 0 done, 1 an audit failed, 2 "
+             "bad input, 130 stopped by Ctrl-C (143 by SIGTERM).")
+OUT = {"grpo": "runs/grpo", "demo": "runs/demo"}  # each command's default --out
+
+
+def _run_parser(run: argparse.ArgumentParser, command: str) -> None:
+    """The flags of a run command (grpo, demo: one DemoOptions, the flags of its task)."""
+    from jaxrl_cache.app.options import DemoOptions  # no jax: --help stays fast
+    d = argparse.Namespace(**{**{f.name: f.default for f in dataclasses.fields(DemoOptions)},
+                              "out": OUT[command]})
+    run.add_argument("--config", metavar="FILE", help="read settings from a YAML or JSON "
+                     "mapping: the flags' names (dashes or underscores; async for --async), "
+                     "a list for --stop and --reward, a mapping for --chat-template-kwargs, "
+                     "true for a switch; flags given here override it; unknown names are an "
+                     "error")
+    task = run.add_argument_group("policy and task").add_argument
+    _policy_arguments(task)
+    if command == "grpo":
+        _dataset_arguments(task)
+    else:
+        task("--env", choices=["calculator"], help="multi-turn episodes instead of single "
+             "completions: 3-digit multiplication with a calculator tool the policy calls in "
+             "writing (c:123*456); the warm start teaches the tool format, rewards come from "
+             "the environment, every sampled token of every turn is audited (built-in model "
+             "only)")
+    _reward_argument(task, command)
+    _grpo_arguments(run.add_argument_group("warm start and GRPO").add_argument, d)
+    _trainer_arguments(run.add_argument_group("train step").add_argument, d)
+    _engine_arguments(run.add_argument_group("rollout engine").add_argument, d)
+    _run_arguments(run.add_argument_group("run directory").add_argument, d)
 
 
 def _version() -> str:
@@ -97,37 +123,53 @@ def _policy_arguments(add) -> None:
         "a Hub id such as Qwen/Qwen2.5-0.5B-Instruct (needs huggingface_hub; read from its "
         "cache, downloaded unless HF_HUB_OFFLINE=1) instead of the built-in model; prompts "
         "use its chat template if it has one")
-    add("--task", metavar="FILE", help="task rows: a JSONL file (one object per line) or a "
-        'JSON list of objects, each with a prompt and an answer, e.g. {"prompt": ..., '
-        '"answer": ...} (examples/tasks/add.jsonl); every 4th row is held out for '
-        "evaluation; default: the built-in 'repeat the number' task")
-    add("--prompt-key", metavar="KEY", help="with --task: the rows' prompt field, text or "
-        "chat messages [{role, content}, ...] [prompt; GSM8K: question]")
-    add("--answer-key", metavar="KEY", help="with --task: the rows' answer field, a string "
-        "or a number; an answer holding '####' is GSM8K's: what follows the last '####', "
-        "commas removed, is the answer [answer]")
-    add("--system-prompt", metavar="TEXT", help="with --task: a system message before each "
-        "prompt (the model's chat template renders it)")
-    add("--env", choices=["calculator"], help="multi-turn episodes instead of single "
-        "completions: 3-digit multiplication with a calculator tool the policy calls in "
-        "writing (c:123*456); the warm start teaches the tool format, rewards come from the "
-        "environment, every sampled token of every turn is audited (built-in model only)")
-    add("--answer-regex", metavar="REGEX", help="with --task: the completion's answer is the "
-        "last match of REGEX (its first group that took part, if any); no match scores 0 "
-        "[numeric and math-verify checks: the last \\boxed{...} or '#### ...' line, else the whole "
+    add("--chat-template-kwargs", metavar="JSON", help="extra variables of the model's chat "
+        'template as a JSON object, e.g. \'{"enable_thinking": false}\' (Qwen3) [none]')
+
+
+def _dataset_arguments(add) -> None:
+    add("--dataset", metavar="PATH|NAME", help="the task's rows: a .jsonl file (one object "
+        "per line), a .json list of objects, a .parquet file, a directory saved by "
+        "datasets' save_to_disk, or a Hub dataset name such as openai/gsm8k (read from the "
+        "datasets cache, downloaded unless HF_DATASETS_OFFLINE=1); each row has a prompt and "
+        "any other columns (an answer, a solution, ...); with an answer column every 4th "
+        "row is held out for evaluation (needs pip install 'jaxrl-cache[datasets]' but for "
+        "JSON files) [required]")
+    add("--split", metavar="NAME", help="the split of a DatasetDict directory or a Hub "
+        "dataset [train]")
+    add("--dataset-config", metavar="NAME", help="a Hub dataset's configuration (TRL's "
+        "dataset_config; openai/gsm8k: main) [none]")
+    add("--prompt-key", metavar="KEY", help="the rows' prompt field, text or chat messages "
+        "[{role, content}, ...] (TRL's conversational format) [prompt; GSM8K: question]")
+    add("--answer-key", metavar="KEY", help="the rows' answer field, a string or a number; "
+        "an answer holding '####' is GSM8K's: what follows the last '####', commas removed, "
+        "is the answer; optional with --reward (no answers: no warm start, no evaluation) "
+        "[answer]")
+    add("--system-prompt", metavar="TEXT", help="a system message before each prompt (the "
+        "model's chat template renders it)")
+    add("--answer-regex", metavar="REGEX", help="the completion's answer is the last match "
+        "of REGEX (its first group that took part, if any); no match scores 0 [numeric and "
+        "math-verify checks: the last \\boxed{...} or '#### ...' line, else the whole "
         "completion; exact: the whole completion (whitespace stripped)]")
-    add("--answer-check", choices=["exact", "numeric", "math-verify"], help="with --task: "
-        "how the answer is compared with the reference (reward 1 or 0): exact strings; "
-        "numeric (72. = 72, 1,000 = 1000, 3/4 = 0.75 = \\frac{3}{4}, else strings without "
-        "spaces; a reference ending in '#### N' is N); math-verify (pip install "
-        "'jaxrl-cache[math]') [numeric; the built-in task: exact]")
+    add("--answer-check", choices=["exact", "numeric", "math-verify"], help="how the "
+        "answer is compared with the reference (reward 1 or 0, exact match and evaluation): "
+        "exact strings; numeric (72. = 72, 1,000 = 1000, 3/4 = 0.75 = \\frac{3}{4}, else "
+        "strings without spaces; a reference ending in '#### N' is N); math-verify (pip "
+        "install 'jaxrl-cache[math]'); given with --reward, the answer reward joins the "
+        "reward functions [numeric]")
+
+
+def _reward_argument(add, command: str) -> None:
+    joins = ("the rewards, TRL's reward_funcs (the answer reward joins them only with "
+             "--answer-check)") if command == "grpo" else "an extra reward beside the task's"
     add("--reward", dest="rewards", action="append", metavar="MODULE:FUNCTION[=WEIGHT]",
-        help="an extra reward added to the answer reward with WEIGHT [1] (repeat the flag "
-        "for several): a function in an importable module or a .py file (path/to/file.py:"
-        "fn), called as TRL calls one: fn(prompts=, completions=, completion_ids=, answer=, "
-        "<the task row's fields>) -> a list of float or None (None: not applicable); a "
-        "jaxrl_cache.rl.rewards.RewardFn there is used as declared (per sample or batched, "
-        "threads, timeout); logged as rewards/<name>/mean|std")
+        help=f"{joins}, each with WEIGHT [1] (repeat the flag for several): a function in "
+        "an importable module or a .py file (path/to/file.py:fn), called as TRL calls one: "
+        "fn(prompts=, completions=, completion_ids=, trainer_state=, <the row's other "
+        "columns>) -> a list of float or None (None: not applicable); chat prompts give "
+        "completions as [{role: assistant, content}] lists; an async def one is awaited with "
+        "the others; a jaxrl_cache.rl.rewards.RewardFn there is used as declared (per "
+        "sample or batched, threads, timeout); logged as rewards/<name>/mean|std")
 
 
 def _grpo_arguments(add, d) -> None:
@@ -151,7 +193,7 @@ def _grpo_arguments(add, d) -> None:
         help="rollout calls per step; later calls hit the prefix cached by earlier ones "
              "(one call of all the step's prompts decodes fastest) [%(default)s]")
     add("--max-new-tokens", type=_positive_int, default=None,
-        help="generation budget per sample [built-in task: answer + <eos>; --task: 64]")
+        help="generation budget per sample [built-in task: answer + <eos>; --dataset: 64]")
     add("--temperature", type=_natural_float, default=d.temperature,
         help="sampling temperature of rollouts and evaluation [%(default)s]")
     add("--top-p", type=_number(float, "a number in (0, 1]", lambda v: 0 < v <= 1),
@@ -303,34 +345,51 @@ def _print_table(rows: list[tuple[str, str]], title: str) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def _demo(args) -> int:
+def _run(args) -> int:
+    """`grpo` or `demo`: one run_demo (grpo needs --dataset, unless it resumes a run)."""
     from jaxrl_cache.app.demo import DemoOptions, run_demo
     from jaxrl_cache.errors import CacheFullError
+    command = args.command
     try:
-        opts = DemoOptions(**{f.name: f.default if getattr(args, f.name) is None
+        if command == "grpo" and args.dataset is None and not args.resume:
+            raise ValueError("--dataset is required (a JSONL/JSON/parquet file, a "
+                             "save_to_disk directory or a Hub name); the built-in task: "
+                             "jaxrl-cache demo")
+        opts = DemoOptions(**{f.name: f.default if getattr(args, f.name, None) is None
                               else getattr(args, f.name)
                               for f in dataclasses.fields(DemoOptions)})
         s = run_demo(opts, given=args.given)
     except (ValueError, OSError, CacheFullError) as e:  # CheckpointError, ConfigError too
-        print(f"jaxrl-cache demo: error: {e}".splitlines()[0], file=sys.stderr)
+        print(f"jaxrl-cache {command}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("jaxrl-cache demo: aborted; the last checkpoint is kept (--resume continues; a "
-              "run aborted before its first checkpoint left nothing)", file=sys.stderr)
+        print(f"jaxrl-cache {command}: aborted; the last checkpoint is kept (--resume "
+              f"continues; a run aborted before its first checkpoint left nothing)",
+              file=sys.stderr)
         return 130
+    _print_summary(s, command)
+    if s["audit_failures"]:
+        return 1
+    return 128 + signal.Signals[s["stopped_by"]].value if s["stopped_by"] else 0
+
+
+def _print_summary(s: dict, command: str) -> None:
     rl_exact = "n/a (interrupted)" if s["rl_exact_match"] is None else \
         f"{s['rl_exact_match']:.3f}"
+    no_answers = s["exact_first"] is None
     saved = s["prefill_tokens_saved"] / max(s["prompt_tokens"], 1)
     _print_table([
         ("task / policy", f"{s['task']} / {s['policy']}"),
         ("GRPO steps run / final version", f"{s['steps_run']} / {s['final_version']}"),
         ("mean reward, first -> last", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
         ("exact match in training, first -> last",
+         "n/a (no answer column)" if no_answers else
          f"{s['exact_first']:.3f} -> {s['exact_last']:.3f}"),
         *([("episodes calling the tool, first -> last",
             f"{s['tool_use_first']:.3f} -> {s['tool_use_last']:.3f}")]
           if s["tool_use_first"] is not None else []),
         (f"exact match (eval, {s['eval_prompts']} prompts)",
+         "n/a (no answer column)" if no_answers else
          f"{'after SFT' if s['warm_started'] else 'before GRPO'} "
          f"{s['sft_exact_match']:.3f} -> after GRPO {rl_exact}"),
         ("tokens generated", f"{s['generated_tokens']:,}"),
@@ -349,10 +408,7 @@ def _demo(args) -> int:
         ("wall time", f"{s['seconds']:.1f} s"),
         ("outputs", f"{s['out']}/metrics.jsonl, demo.png, checkpoints/"),
         ("exported policy (HF)", s["exported"]),
-    ], "jaxrl-cache demo summary" + (" (interrupted)" if s["interrupted"] else ""))
-    if s["audit_failures"]:
-        return 1
-    return 128 + signal.Signals[s["stopped_by"]].value if s["stopped_by"] else 0
+    ], f"jaxrl-cache {command} summary" + (" (interrupted)" if s["interrupted"] else ""))
 
 
 def _bench(args) -> int:
@@ -402,29 +458,31 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        argv = _with_config(parser, argv, args.config)
+    command = args.command
+    if command in ("grpo", "demo"):
+        argv = _with_config(parser, argv, command, args.config)
         args = parser.parse_args(argv)
         # what was set explicitly (a --resume compares exactly these with the run's)
-        args.given = config_file.given_names(_subparser(build_parser(), "demo"),
-                                             argv[argv.index("demo") + 1:])
-    return {"demo": _demo, "bench": _bench}[args.command](args)
+        args.given = config_file.given_names(_subparser(build_parser(), command),
+                                             argv[argv.index(command) + 1:])
+    return {"grpo": _run, "demo": _run, "bench": _bench}[command](args)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     return parser._subparsers._group_actions[0].choices[name]
 
 
-def _with_config(parser: argparse.ArgumentParser, argv: list[str], path) -> list[str]:
-    """argv with the --config file's settings inserted after `demo` (flags given on the
+def _with_config(parser: argparse.ArgumentParser, argv: list[str], command: str,
+                 path) -> list[str]:
+    """argv with the --config file's settings inserted after `command` (flags given on the
     command line come later, so they win); a bad file exits 2 with one line."""
     if path is None:
         return argv
     try:
-        settings = config_file.config_argv(path, _subparser(parser, "demo"))
+        settings = config_file.config_argv(path, _subparser(parser, command))
     except ValueError as e:
-        parser.exit(2, f"jaxrl-cache demo: error: {e}".splitlines()[0] + "\n")
-    at = argv.index("demo") + 1
+        parser.exit(2, f"jaxrl-cache {command}: error: {e}".splitlines()[0] + "\n")
+    at = argv.index(command) + 1
     return argv[:at] + settings + argv[at:]
 
 

@@ -114,6 +114,8 @@ def _arguments(path, key, option: str, action, value) -> list[str]:
             raise ValueError(f"--config {path}: {key} takes one value, got a list")
         return [f"{option}={_text(v)}" for v in value]
     if isinstance(value, dict):
+        if action.metavar == "JSON":  # --chat-template-kwargs: the mapping as JSON text
+            return [f"{option}={json.dumps(value)}"]
         raise ValueError(f"--config {path}: {key} takes a value, got a mapping")
     return [f"{option}={_text(value)}"]
 

@@ -1,4 +1,5 @@
-"""The main job: SFT warm start -> GRPO on a text task, end to end, through HF directories.
+"""The main job (`jaxrl-cache grpo`, and `demo` on the built-in task): SFT warm start ->
+GRPO on a text task, end to end, through HF directories.
 
 1. Policy: `--model PATH|ID` (a Hugging Face directory with its tokenizer, or a Hub id:
    models/hub.py), or the built-in small model with a character tokenizer, written to
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import pathlib
 import signal
@@ -46,7 +48,7 @@ from jaxrl_cache.app.options import (ENVS, MAX_CHUNK_STEPS, MAX_COUNT, MAX_SEED,
                                       RESUMABLE, DemoOptions, resume_differences,
                                       train_config)
 from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
-from jaxrl_cache.app.tasks import CopyDigits, JsonlTask, Reward, char_tokenizer
+from jaxrl_cache.app.tasks import CopyDigits, DatasetTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
 from jaxrl_cache.models import (ModelConfig, from_pretrained, init_kv_cache, init_params,
                                load_tokenizer, lora, save_peft_adapter, save_pretrained)
@@ -114,6 +116,7 @@ def _prepare(opts: DemoOptions, given=None):
             raise ValueError(f"--resume: {run.path} holds no demo run (no {RUN_FILE})")
         run.lock()
         record = run.read_record()
+        record["options"] = _upgraded(record["options"])
         given = {f.name for f in dataclasses.fields(opts) if getattr(opts, f.name) !=
                  f.default} if given is None else set(given)
         differences = resume_differences(record["options"], opts, given)
@@ -125,8 +128,6 @@ def _prepare(opts: DemoOptions, given=None):
         saved = {k: v for k, v in record["options"].items()
                  if k not in ("steps", "resume", "overwrite", "out", "report_to")
                  and not (k in RESUMABLE and k in given)}
-        if record["options"].get("task") and "answer_check" not in record["options"]:
-            saved["answer_check"] = "exact"  # a run from before --answer-check scored so
         try:
             opts = dataclasses.replace(opts, **saved)
         except (TypeError, ValueError) as e:
@@ -142,15 +143,39 @@ def _prepare(opts: DemoOptions, given=None):
     return opts, run, record, task, layout
 
 
+def _upgraded(options) -> dict:
+    """A run record's options in today's names: --task is now --dataset; a task run from
+    before --answer-check scored exact matches, and one with --reward scored the answer too
+    (the answer reward now joins --reward functions only with --answer-check)."""
+    if not isinstance(options, dict) or "task" not in options:
+        return options
+    options = dict(options, dataset=options["task"])
+    del options["task"]
+    if options["dataset"] and "answer_check" not in options:
+        options["answer_check"] = "exact"
+    elif options["dataset"] and options.get("rewards") and options["answer_check"] is None:
+        options["answer_check"] = "numeric"
+    return options
+
+
 def _check_inputs(opts: DemoOptions):
     """(task, mesh layout or None), once everything the run reads first is checked: the
     mesh against the devices, the task file, the --model directory's config and tokenizer,
     every task prompt (with the generation budget) against the model's max_seq_len, and
-    the job the flags describe (`_check_job`)."""
+    the job the flags describe (`_check_job`). A task without answers has no warm start."""
     layout = None if opts.mesh is None else MeshLayout.parse(opts.mesh)
     if layout is not None:
         layout.check_devices(jax.device_count())
     task = _make_task(opts)
+    if not task.has_answers:
+        if opts.sft_steps:
+            raise ValueError(f"--sft-steps {opts.sft_steps}: the warm start trains on "
+                             f"reference answers; --dataset {opts.dataset} has no "
+                             f"{opts.answer_key!r} column")
+        if opts.eval_every:
+            raise ValueError(f"--eval-every {opts.eval_every}: evaluation scores answers; "
+                             f"--dataset {opts.dataset} has no {opts.answer_key!r} column")
+        opts = dataclasses.replace(opts, sft_steps=0)
     if opts.model is None:
         tokenizer, model = char_tokenizer(), "the built-in model"
         config = builtin_model_config(tokenizer.vocab_size)
@@ -200,12 +225,13 @@ def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) 
             raise ValueError(f"--max-new-tokens {max_new} leaves no room for the episode's "
                              f"context within the max_seq_len {limit} of {model}")
         return limit
-    examples = task.examples if opts.task is not None else task.sample(
+    examples = task.examples if opts.dataset is not None else task.sample(
         np.random.default_rng(opts.seed), 64)
-    lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in examples])]
+    lengths = [len(p) for p in _encode_prompts(tokenizer, [e.prompt for e in examples],
+                                               opts.chat_template_kwargs)]
     bad = next((i for i, n in enumerate(lengths) if n + max_new > limit), None)
     if bad is not None:
-        where = f"{task.path}:{task.lines[bad]}" if opts.task is not None else "--max-new-tokens"
+        where = task.where(bad) if opts.dataset is not None else "--max-new-tokens"
         raise ValueError(f"{where}: the prompt is {lengths[bad]} tokens; with {max_new} "
                          f"new tokens it exceeds the max_seq_len {limit} of {model}")
     return max(lengths) + max_new
@@ -283,29 +309,35 @@ def _max_new_tokens(opts: DemoOptions, task) -> int:
     """A turn's budget with --env: a tool call of two 3-digit operands or a 6-digit answer."""
     if opts.max_new_tokens:
         return opts.max_new_tokens
-    return 12 if opts.env else (task.num_digits + 1 if opts.task is None else 64)
+    return 12 if opts.env else (task.num_digits + 1 if opts.dataset is None else 64)
 
 
 def _make_task(opts: DemoOptions):
     if opts.env == "calculator":
         return CalculatorTask()
-    if opts.task is None:
+    if opts.dataset is None:
         return CopyDigits()
-    return JsonlTask(opts.task, Reward(opts.answer_regex, opts.answer_check or "numeric"),
-                     prompt_key=opts.prompt_key,
-                     answer_key=opts.answer_key, system_prompt=opts.system_prompt)
+    return DatasetTask(opts.dataset, Reward(opts.answer_regex, opts.answer_check or "numeric"),
+                       prompt_key=opts.prompt_key, answer_key=opts.answer_key,
+                       system_prompt=opts.system_prompt, split=opts.split,
+                       config=opts.dataset_config, answers_required=opts.answer_in_rewards)
 
 
-def _encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
-    """Plain text, or the model's chat template (one user message) when it has one; chat
-    messages (a task's chat prompts, --system-prompt) need the template."""
+def _encode_prompts(tokenizer, prompts: list, template_kwargs: dict | None) -> list[list[int]]:
+    """Plain text, or the model's chat template (one user message) when it has one, rendered
+    with `template_kwargs` (--chat-template-kwargs); chat messages (a task's chat prompts,
+    --system-prompt) and template kwargs need the template."""
     if tokenizer.chat_template is None:
+        if template_kwargs:
+            raise ValueError("--chat-template-kwargs needs a model with a chat template; "
+                             "this one has none")
         if not all(isinstance(p, str) for p in prompts):
             raise ValueError("chat-format prompts (lists of messages, or --system-prompt) "
                              "need a model with a chat template; this one has none")
         return [tokenizer.encode(p) for p in prompts]
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}]
-                                          if isinstance(p, str) else list(p))
+                                          if isinstance(p, str) else list(p),
+                                          **(template_kwargs or {}))
             for p in prompts]
 
 
@@ -326,7 +358,8 @@ def _warm_start(opts: DemoOptions, run: RunDir, task, base: pathlib.Path) -> pat
             prompts, answers = tool_sft_pairs(task.sample(rng, opts.sft_batch // 2), tokenizer)
         else:
             examples = task.sample(rng, opts.sft_batch)
-            prompts = _encode_prompts(tokenizer, [e.prompt for e in examples])
+            prompts = _encode_prompts(tokenizer, [e.prompt for e in examples],
+                                      opts.chat_template_kwargs)
             answers = [tokenizer.encode(e.answer, add_special_tokens=False) + list(stop)
                        for e in examples]
         tokens, mask = pack_completions(prompts, answers)
@@ -390,7 +423,9 @@ def _evaluate(engine, state, tokenizer, task, opts, sampling, key) -> dict:
         def correct(i, episode, text) -> bool:
             return episode.reward == 1.0
     else:
-        prompts, episodes = _encode_prompts(tokenizer, [e.prompt for e in examples]), None
+        prompts = _encode_prompts(tokenizer, [e.prompt for e in examples],
+                                  opts.chat_template_kwargs)
+        episodes = None
 
         def correct(i, sample, text) -> bool:
             return task.reward(text, examples[i].answer) == 1.0
@@ -399,7 +434,7 @@ def _evaluate(engine, state, tokenizer, task, opts, sampling, key) -> dict:
                            decode=tokenizer.decode, episodes=episodes)
 
 
-def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float,
+def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float | None,
           start_label: str) -> None:
     try:  # optional: the `plot` extra
         import matplotlib
@@ -413,8 +448,9 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str, start_exact: float,
     fig, axes = plt.subplots(4, 1, figsize=(7, 8.5), sharex=True)
     ax = axes[0]
     ax.plot(steps, [r["reward"] for r in rows], label="mean reward", alpha=0.8)
-    ax.plot(steps, [r["exact_match"] for r in rows], label="exact match", alpha=0.8)
-    ax.axhline(start_exact, color="gray", ls="--", lw=1, label=f"{start_label} (eval)")
+    if start_exact is not None:  # a task with answers
+        ax.plot(steps, [r["exact_match"] for r in rows], label="exact match", alpha=0.8)
+        ax.axhline(start_exact, color="gray", ls="--", lw=1, label=f"{start_label} (eval)")
     ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="lower right", fontsize=8)
     for ax, key, label in zip(axes[1:], ("cache_hit_rate", "staleness_max", "version"),
@@ -477,15 +513,19 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     seed_key = jax.random.key(opts.seed)
     record = loaded.record
 
-    def evaluate(state) -> dict:  # the same prompts and key every time
+    def evaluate_state(state) -> dict:  # the same prompts and key every time
         return _evaluate(engine, state, loaded.tokenizer, task, opts, loaded.sampling,
                          jax.random.fold_in(seed_key, 2**30))
 
-    if "sft_exact_match" not in record:
+    evaluate = evaluate_state if task.has_answers else None  # no answers: nothing to score
+    if evaluate is None:
+        record.setdefault("sft_exact_match", None)
+    elif "sft_exact_match" not in record:
         record["sft_exact_match"] = evaluate(loaded.state)["exact_match"]
         run.write_record(record)
-    tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
-               f"{record['sft_exact_match']:.3f}")
+    if evaluate is not None:
+        tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
+                   f"{record['sft_exact_match']:.3f}")
     start_step = _steps_at(opts, loaded.start_version)
     source = _prompt_source(opts, task, loaded.tokenizer)
     rollouts = _rollouts(opts, engine, source, loaded.sampling, lag, seed_key, loaded.state,
@@ -493,7 +533,7 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     state, rows, stop, buffer_metrics = _grpo_loop(
         opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step,
         evaluate=evaluate)
-    rl_exact = None if stop.requested else evaluate(state)["exact_match"]
+    rl_exact = None if stop.requested or evaluate is None else evaluate(state)["exact_match"]
     exported = _export(run, loaded, state)
     warm_started = _sft_steps(opts) > 0
     title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"
@@ -600,13 +640,14 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
 class _PromptSource:
     prompts_of: Callable  # call -> (prompts, examples)
     reward: Rewards | None  # the answer reward and --reward's; None: episode returns
-    exact: Callable  # (examples, sample, text) -> bool
+    exact: Callable | None  # (examples, sample, text) -> bool; None: the task has no answers
     episodes: dict | None  # rollout_episodes keyword arguments (--env)
 
 
 def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
     """The call-th rollout call's prompts (--env: the examples are the tasks) and examples
-    (step call // rollout_calls), and how a completion is scored."""
+    (step call // rollout_calls), and how a completion is scored (the rewards: see
+    DemoOptions.answer_in_rewards)."""
     per_call = opts.prompts_per_step // opts.rollout_calls
 
     def prompts_of(call: int):
@@ -615,7 +656,8 @@ def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
                                opts.prompts_per_step)[part * per_call:(part + 1) * per_call]
         if opts.env:
             return examples, examples
-        return _encode_prompts(tokenizer, [e.prompt for e in examples]), examples
+        return _encode_prompts(tokenizer, [e.prompt for e in examples],
+                               opts.chat_template_kwargs), examples
 
     def answer(examples, sample, text: str) -> float | None:
         return task.reward(text, examples[sample.group].answer)
@@ -630,9 +672,10 @@ def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
         return {**(getattr(e, "row", None) or {"answer": e.answer}), "prompt": e.prompt}
 
     episodes = dict(env_factory=CalculatorEnv, max_turns=MAX_TURNS) if opts.env else None
+    answers = [RewardFn(answer, name="answer")] if opts.answer_in_rewards else []
     rewards = None if opts.env else Rewards(
-        (RewardFn(answer, name="answer"), *map(load_reward, opts.rewards)), columns=columns)
-    return _PromptSource(prompts_of, rewards, exact, episodes)
+        (*answers, *map(load_reward, opts.rewards)), columns=columns, max_steps=opts.steps)
+    return _PromptSource(prompts_of, rewards, exact if task.has_answers else None, episodes)
 
 
 def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: int, seed_key,
@@ -687,7 +730,7 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
             if (note := watch.update(row)) is not None:
                 bar.write(note)
             bar.set_postfix(v=int(state.version), reward=f"{row['reward']:.2f}",
-                            exact=f"{row['exact_match']:.2f}",
+                            exact=f"{row.get('exact_match', math.nan):.2f}",
                             hit=f"{row['cache_hit_rate']:.2f}", refresh=False)
             if step % 20 == 0 or step == opts.steps - 1:
                 _say_step(step, row)
@@ -729,9 +772,10 @@ def _step_row(opts: DemoOptions, result, source: _PromptSource, placement) -> di
     example = examples[sample.group]
     sync_bytes = (result.record["sync_bytes"] if placement is None
                   else placement.sync_bytes(result.state.params))
-    row = dict(result.record, exact_match=float(np.mean(
-        [source.exact(m, s, t) for m, s, t in result.texts])), sync_bytes=sync_bytes,
-        sample=dict(prompt=example.prompt, completion=completion, answer=example.answer))
+    row = dict(result.record, sync_bytes=sync_bytes,
+               sample=dict(prompt=example.prompt, completion=completion, answer=example.answer))
+    if source.exact is not None:
+        row["exact_match"] = float(np.mean([source.exact(m, s, t) for m, s, t in result.texts]))
     if opts.env:  # episodes whose turns include a well-formed tool call
         row["tool_use"] = float(np.mean([any(parse_call(t) for t in s.turn_texts)
                                          for _, s, _ in result.texts]))
@@ -746,8 +790,9 @@ def _say_step(step: int, row: dict) -> None:
         moved += f", wrote {row['transposed_bytes'] / 2**20:.1f} MiB of decode transposes"
     prompt = sample["prompt"] if isinstance(sample["prompt"], str) else \
         sample["prompt"][-1]["content"]  # chat messages: the last one
-    tqdm.write(f"step {step:4d}  {prompt[-24:]!r} -> {sample['completion']!r} "
-               f"(answer {sample['answer']!r}); sync {moved} in {row['sync_seconds']:.2f} s")
+    answer = "" if sample["answer"] is None else f" (answer {sample['answer']!r})"
+    tqdm.write(f"step {step:4d}  {prompt[-24:]!r} -> {sample['completion']!r}{answer}; "
+               f"sync {moved} in {row['sync_seconds']:.2f} s")
 
 
 def _summary(opts: DemoOptions, task, loaded: _Loaded, rows: list, start_step: int, state,
@@ -764,8 +809,8 @@ def _summary(opts: DemoOptions, task, loaded: _Loaded, rows: list, start_step: i
         task=task.name, policy=str(loaded.policy), steps_run=len(rows) - start_step,
         final_version=int(state.version), reward_first=mean("reward", rows[:window]),
         reward_last=mean("reward", rows[-window:]),
-        exact_first=mean("exact_match", rows[:window]),
-        exact_last=mean("exact_match", rows[-window:]),
+        exact_first=mean("exact_match", rows[:window]) if task.has_answers else None,
+        exact_last=mean("exact_match", rows[-window:]) if task.has_answers else None,
         tool_use_first=mean("tool_use", rows[:window]) if opts.env else None,
         tool_use_last=mean("tool_use", rows[-window:]) if opts.env else None,
         sft_exact_match=record["sft_exact_match"], rl_exact_match=rl_exact,

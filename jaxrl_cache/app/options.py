@@ -1,5 +1,10 @@
-"""DemoOptions: every setting of `jaxrl-cache demo`, checked once, in a module that imports
+"""DemoOptions: every setting of `jaxrl-cache grpo` and `jaxrl-cache demo` (the same run:
+`grpo` on a --dataset, `demo` on the built-in task), checked once, in a module that imports
 no jax (the CLI reads its defaults to build `--help`; the checks import what they need).
+
+Rewards: the built-in task scores its answer; a --dataset's rewards are the --reward
+functions (TRL's reward_funcs) when given, plus the answer reward when --answer-check is
+given, and the answer reward alone without --reward (`answer_in_rewards`).
 
 Which settings a `--resume` may change (`RESUMABLE`): the ones that do not change what the
 run trains on or how: the step count, the checkpoint and eval cadence, where metrics go.
@@ -41,7 +46,7 @@ class DemoOptions:
     prompts_per_step: int = 8
     rollout_calls: int = 1  # rollout calls per step (> 1: later ones hit the cached prefix;
     # decode reads every weight once per step of a call, so one call of all rows is fastest)
-    max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --task
+    max_new_tokens: int | None = None  # None: built-in task answer + <eos>; 64 with --dataset
     temperature: float = 1.0
     top_p: float = 1.0  # SamplingParams.top_p (rollouts and sampled evals)
     top_k: int = 0  # SamplingParams.top_k (0: off)
@@ -65,13 +70,17 @@ class DemoOptions:
     backend: str = "auto"
     kernels: str | None = None  # JAXRL_CACHE_KERNELS for the run (KERNELS); None: the env's
     model: str | None = None  # a local HF directory or a Hub id (models.hub.resolve_model)
-    task: str | None = None  # a JSONL or JSON file of rows (data.read_rows)
+    dataset: str | None = None  # a file, directory or Hub name (dataset_source.read_dataset)
+    split: str | None = None  # the dataset's split (None: "train" where it has splits)
+    dataset_config: str | None = None  # a Hub dataset's configuration ("main" for gsm8k)
     prompt_key: str = "prompt"  # the rows' prompt field (text or chat messages)
     answer_key: str = "answer"  # the rows' answer field (str or number; GSM8K's "#### N")
     system_prompt: str | None = None  # prepended as a system message (chat template)
+    chat_template_kwargs: dict | None = None  # extra chat template variables (enable_thinking)
     env: str | None = None  # "calculator": multi-turn episodes with a tool (ENVS)
     answer_regex: str | None = None
-    answer_check: str | None = None  # rl.answers.CHECKS; None: numeric with --task, else exact
+    answer_check: str | None = None  # rl.answers.CHECKS; None: numeric with --dataset, else
+    #                                  exact; given with --reward: the answer reward joins them
     rewards: tuple = ()  # --reward module:function[=weight] specs (rl.rewards.load_reward)
     out: str = "runs/demo"
     resume: bool = False
@@ -124,9 +133,9 @@ class DemoOptions:
             raise ValueError(f"--kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.env not in (None,) + ENVS:
             raise ValueError(f"--env must be one of {ENVS}, got {self.env!r}")
-        if self.env is not None and (self.task is not None or self.model is not None):
+        if self.env is not None and (self.dataset is not None or self.model is not None):
             raise ValueError("--env calculator runs the built-in model on its own questions; "
-                             "it excludes --task and --model")
+                             "it excludes --dataset and --model")
         for name in ("lr", "sft_lr", "sft_stop_loss"):
             if getattr(self, name) is None:
                 continue
@@ -239,26 +248,42 @@ class DemoOptions:
 
     def _check_task_settings(self) -> None:
         from jaxrl_cache.app.tasks import Reward
-        if self.answer_regex is not None and self.task is None:
-            raise ValueError("--answer-regex applies to a --task file; the built-in task "
-                             "scores exact matches")
-        if self.system_prompt is not None and self.task is None:
-            raise ValueError("--system-prompt applies to a --task file (a model with a chat "
-                             "template); the built-in task has plain prompts")
-        for name in ("prompt_key", "answer_key"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"--{name.replace('_', '-')} must be a non-empty field name, "
-                                 f"got {getattr(self, name)!r}")
+        for name, why in (("answer_regex", "the built-in task scores exact matches"),
+                          ("system_prompt", "the built-in task has plain prompts"),
+                          ("split", "the built-in task has no splits"),
+                          ("dataset_config", "the built-in task has no configurations")):
+            if getattr(self, name) is not None and self.dataset is None:
+                raise ValueError(f"--{name.replace('_', '-')} applies to a --dataset; {why}")
+        for name in ("prompt_key", "answer_key", "dataset", "split", "dataset_config"):
+            value = getattr(self, name)
+            if (value is not None or name in ("prompt_key", "answer_key")) and \
+                    (not isinstance(value, str) or not value):
+                raise ValueError(f"--{name.replace('_', '-')} must be a non-empty name, got "
+                                 f"{value!r}")
+        kwargs = self.chat_template_kwargs
+        if isinstance(kwargs, str):  # a flag's JSON text
+            object.__setattr__(self, "chat_template_kwargs", parse_json_object(
+                kwargs, "--chat-template-kwargs"))
+        elif kwargs is not None and not (isinstance(kwargs, dict) and all(
+                isinstance(k, str) for k in kwargs)):
+            raise ValueError(f"--chat-template-kwargs must be a mapping of names to values, "
+                             f"got {kwargs!r:.80}")
         Reward(self.answer_regex)  # validates the regex
+
+    @property
+    def answer_in_rewards(self) -> bool:
+        """The answer reward is one of the run's rewards (see the module doc)."""
+        return self.dataset is None or not self.rewards or self.answer_check is not None
 
     def _check_rewards(self) -> None:
         """--answer-check (math-verify installed) and --reward (each function imported
-        here, so a bad one fails before any work; names unique beside "answer")."""
+        here, so a bad one fails before any work; names unique, "answer" included when the
+        answer reward is one of them)."""
         if isinstance(self.rewards, (list, str)):  # a run record (JSON) or a config file
             object.__setattr__(self, "rewards", (self.rewards,) if isinstance(
                 self.rewards, str) else tuple(self.rewards))
-        if self.answer_check is not None and self.task is None:
-            raise ValueError("--answer-check applies to a --task file; the built-in task "
+        if self.answer_check is not None and self.dataset is None:
+            raise ValueError("--answer-check applies to a --dataset; the built-in task "
                              "scores exact matches")
         if self.rewards and self.env is not None:
             raise ValueError("--reward: with --env calculator the environment's return is "
@@ -270,9 +295,23 @@ class DemoOptions:
             raise ValueError(f"--reward takes module:function[=weight] strings, got "
                              f"{self.rewards!r:.80}")
         try:
-            Rewards((RewardFn(float, name="answer"), *map(load_reward, self.rewards)))
+            Rewards((*[RewardFn(float, name="answer")] * self.answer_in_rewards,
+                     *map(load_reward, self.rewards)))
         except TypeError as e:
             raise ValueError(f"--reward: {e}") from None
+
+
+def parse_json_object(text: str, flag: str) -> dict:
+    """The JSON object in `text` (a flag's value); ValueError naming `flag` otherwise."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not valid JSON ({e.msg}): {text!r:.80}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object such as "
+                         f'\'{{"enable_thinking": false}}\', got {text!r:.80}')
+    return value
 
 
 def train_config(opts: DemoOptions, *, async_rollouts: bool):

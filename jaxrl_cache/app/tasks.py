@@ -13,24 +13,26 @@ with the answer:
   `1,000`, `3/4`, `\\frac{3}{4}`), `check="math-verify"` through math-verify (the `math`
   extra): `rl.answers`.
 
-`JsonlTask` reads a file of `{"prompt": ..., "answer": ...}` lines and holds every 4th
-example out of training for evaluation; `CopyDigits` is the built-in task of
-`jaxrl-cache demo` (generated, unlimited). A task's `sample` draws training examples, its
+`DatasetTask` reads the rows of `--dataset` (`dataset_source.read_dataset`: a JSONL, JSON
+or parquet file, a `save_to_disk` directory, a Hub name) and holds every 4th example out
+of training for evaluation; `CopyDigits` is the built-in task of `jaxrl-cache demo`
+(generated, unlimited). A task's `sample` draws training examples, its
 `eval_examples` the evaluation's. `char_tokenizer` builds the character-level tokenizer the
 demo's own model uses.
 """
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 import string
+from typing import Mapping
 
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from jaxrl_cache.data import Example, RowError, hashable_prompt, prompts_from_rows, read_rows
+from jaxrl_cache.data import Example, RowError, hashable_prompt, prompts_from_rows
+from jaxrl_cache.dataset_source import read_dataset
 from jaxrl_cache.models import Tokenizer
 from jaxrl_cache.rl.answers import answer_score, check_answer_check
 
@@ -75,6 +77,7 @@ class CopyDigits:
     reward: Reward = Reward()
 
     name = "copy-digits"
+    has_answers = True
 
     def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
         digits = rng.integers(0, 10, (count, self.num_digits))
@@ -86,41 +89,52 @@ class CopyDigits:
         return self.sample(rng, count)
 
 
-class JsonlTask:
-    """Examples from a UTF-8 JSONL file (one object per line, blank lines skipped) or a
-    JSON list of objects (`data.read_rows`), each with a prompt (text or chat messages) at
-    `prompt_key` and an answer (a string or a number; GSM8K's "... #### N" gives N) at
-    `answer_key` (`data.prompts_from_rows`, with `system_prompt`); `lines[i]` is the line
-    number of `examples[i]`.
+class DatasetTask:
+    """Examples from the rows `spec` names (`read_dataset(spec, split=, config=)`), each
+    with a prompt (text or chat messages) at `prompt_key` and an answer (a string or a
+    number; GSM8K's "... #### N" gives N) at `answer_key` (`data.prompts_from_rows`, with
+    `system_prompt`); `where(i)` is the place of `examples[i]` (a file's line).
 
-    Held out for evaluation: every 4th example counted from the last (`examples[n-1],
-    examples[n-5], ...`: ceil(n/4) of n; the 4th, 8th, ..., 60th of 60). `train` is the
-    rest less any example whose prompt is also held out (so no evaluated prompt is ever
-    trained on); it must not be empty. `sample` draws `train` uniformly with replacement;
-    `eval_examples` is a seeded permutation of `held_out`, repeated to `count`. Errors name
-    the file and line."""
+    Answers: the task has them (`has_answers`) when the first row has `answer_key`; then
+    every row needs one. Without them (a task scored by reward functions alone, allowed
+    only with `answers_required=False`) every answer is None and nothing is held out.
 
-    def __init__(self, path, reward: Reward = Reward(), *, prompt_key: str = "prompt",
-                 answer_key: str = "answer", system_prompt: str | None = None):
-        self.path = pathlib.Path(path)
-        self.reward = reward
-        self.name = self.path.name
-        rows, self.lines = read_rows(self.path)
+    Held out for evaluation (with answers): every 4th example counted from the last
+    (`examples[n-1], examples[n-5], ...`: ceil(n/4) of n; the 4th, 8th, ..., 60th of 60).
+    `train` is the rest less any example whose prompt is also held out (so no evaluated
+    prompt is ever trained on); it must not be empty. `sample` draws `train` uniformly with
+    replacement; `eval_examples` is a seeded permutation of `held_out`, repeated to
+    `count`. Errors name the dataset and the row's place."""
+
+    def __init__(self, spec, reward: Reward = Reward(), *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", system_prompt: str | None = None,
+                 split: str | None = None, config: str | None = None,
+                 answers_required: bool = True):
+        self.spec, self.reward = str(spec), reward
+        data = read_dataset(self.spec, split=split, config=config)
+        self.name, self.where = data.name, data.where
+        first = data.rows[0]
+        self.has_answers = not isinstance(first, Mapping) or answer_key in first
+        if answers_required and not self.has_answers:
+            raise ValueError(f"{self.where(0)}: no {answer_key!r} field (its fields: "
+                             f"{', '.join(map(str, list(first)[:8]))}): the answer reward "
+                             f"needs one (--answer-key chooses it); a task without answers "
+                             f"needs --reward functions")
         try:
-            self.examples = prompts_from_rows(rows, prompt_key=prompt_key,
-                                              answer_key=answer_key,
-                                              system_prompt=system_prompt)
+            self.examples = prompts_from_rows(
+                data.rows, prompt_key=prompt_key, system_prompt=system_prompt,
+                answer_key=answer_key if self.has_answers else None)
         except RowError as e:
-            raise ValueError(f"{self.path}:{self.lines[e.index]}: {e.detail}") from None
-        if not self.examples:
-            raise ValueError(f"--task {self.path}: no examples")
+            raise ValueError(f"{self.where(e.index)}: {e.detail}") from None
         n = len(self.examples)
-        self.held_out = [e for i, e in enumerate(self.examples) if (n - 1 - i) % 4 == 0]
+        self.held_out = [e for i, e in enumerate(self.examples)
+                         if self.has_answers and (n - 1 - i) % 4 == 0]
         held = {hashable_prompt(e.prompt) for e in self.held_out}
         self.train = [e for e in self.examples if hashable_prompt(e.prompt) not in held]
         if not self.train:
-            raise ValueError(f"--task {self.path}: no examples left to train on once every "
-                             f"4th is held out for evaluation (needs 2 distinct prompts)")
+            raise ValueError(f"--dataset {self.spec}: no examples left to train on once "
+                             f"every 4th is held out for evaluation (needs 2 distinct "
+                             f"prompts)")
 
     def sample(self, rng: np.random.Generator, count: int) -> list[Example]:
         return [self.train[i] for i in rng.integers(0, len(self.train), count)]

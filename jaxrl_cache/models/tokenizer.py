@@ -3,8 +3,10 @@
 Built on the `tokenizers` library (the Rust tokenizer transformers' fast tokenizers wrap:
 tokenizer.json gives the same ids) plus jinja2 for the chat template, rendered with the
 environment transformers uses (sandboxed, trim_blocks, lstrip_blocks, tojson without HTML
-escaping, raise_exception, strftime_now). transformers' AutoTokenizer would pull in
-transformers (and its import cost) for the same ids; this stays a core dependency.
+escaping, raise_exception, strftime_now, and its `{% generation %}...{% endgeneration %}`
+tag, which TRL's training templates use to mark assistant text: here it renders its body).
+transformers' AutoTokenizer would pull in transformers (and its import cost) for the same
+ids; this stays a core dependency.
 Stop ids come from generation_config.json's eos_token_id (an int or a list), else the
 tokenizer's eos token.
 """
@@ -28,6 +30,20 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}BODY{% endgeneration %}` renders BODY (transformers' extension also
+    records where the assistant's text is, for assistant masks; nothing here needs that)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
 def _jinja_env() -> jinja2.Environment:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -37,7 +53,7 @@ def _jinja_env() -> jinja2.Environment:
                           sort_keys=sort_keys)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

@@ -164,13 +164,15 @@ def _math_verify(candidate: str, gold: str) -> float | None:
 def answer_reward(check: str = "numeric", *, answer_regex: str | None = None,
                   column: str = "answer", **fields) -> RewardFn:
     """A batched reward fn(completions=, <column>=, **_) -> [answer_score of each]; fields:
-    RewardFn's (name defaults to "answer"). The column's values may be numbers."""
+    RewardFn's (name defaults to "answer"). The column's values may be numbers; a
+    completion may be text or TRL's chat completion (its last message's content)."""
     check_answer_check(check)
     if answer_regex is not None:
         re.compile(answer_regex)
 
     def answer(completions, **columns):
-        return [answer_score(c, str(a), check=check, answer_regex=answer_regex)
+        return [answer_score(c if isinstance(c, str) else c[-1]["content"], str(a),
+                             check=check, answer_regex=answer_regex)
                 for c, a in zip(completions, columns[column])]
 
     return RewardFn(answer, batched=True, **{"name": "answer", **fields})

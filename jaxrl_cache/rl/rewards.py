@@ -7,10 +7,17 @@ A reward function has one of two shapes, declared (never guessed from its signat
   source returned for the sample's call; sample: a Sample, or an Episode of an episode call;
   text: its decoded completion);
 - batched (`batched(fn)`, `RewardFn(fn, batched=True)`): TRL's shape, so a TRL reward
-  function ports unchanged: fn(prompts=[str], completions=[str], completion_ids=[[int]],
-  **columns) -> [float | None], called once per step with every sample in batch order;
-  columns are `Rewards.columns(meta, sample)`'s per-sample dicts as lists (a "prompt"
-  column becomes `prompts`; without one, prompts are the decoded prompt ids).
+  function ports unchanged: fn(prompts=, completions=, completion_ids=[[int]],
+  trainer_state=, **columns) -> [float | None], called once per step with every sample in
+  batch order; columns are `Rewards.columns(meta, sample)`'s per-sample dicts as lists (a
+  "prompt" column becomes `prompts`; without one, prompts are the decoded prompt ids).
+  As in TRL, when the prompts are chat messages (lists of {"role", "content"}, TRL's
+  conversational format) each completion is a message list [{"role": "assistant",
+  "content": text}], else its text; `trainer_state` has `global_step` (the step) and
+  `max_steps` (`Rewards.max_steps`).
+- `async def` (either shape; detected as TRL does, through functools.partial and a callable
+  object's `__call__`): the step's async calls are awaited together on one event loop on
+  the calling thread (asyncio.gather, as TRL), while the concurrent functions' threads run.
 
 Invariants:
 - A sample's reward is the sum of weight * value over the functions whose value is not
@@ -31,18 +38,23 @@ Invariants:
   it, nor can the calling thread look); the late thread runs on unread and the process
   still exits. `process=True` (implies concurrent) runs each call in a worker process
   (child_calls.py; the function must be a module-level def), killed at its deadline: the
-  one hard bound on wall time, for code that may hold the GIL.
+  one hard bound on wall time, for code that may hold the GIL. An async call's `timeout`
+  (no `concurrent` needed) cancels it at its deadline at its next await, or fails the step
+  when it returns late (wall time from its start on the shared loop).
 - The record gains `rewards/<name>/mean` and `rewards/<name>/std` (population std) over
   the samples each function applied to (NaN when none did).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import itertools
 import math
 import pathlib
+import inspect
 import pickle
 import queue
 import re
@@ -69,8 +81,17 @@ class RewardFn:
     name: str | None = None  # None: fn.__name__ (a callable object: its type's name)
     batched: bool = False  # TRL's shape: one call per step with every sample
     concurrent: bool = False  # calls on the reward threads (the code must be thread-safe)
-    timeout: float | None = None  # seconds per call, concurrent functions only
+    timeout: float | None = None  # seconds per call, concurrent or async functions only
     process: bool = False  # concurrent calls in worker processes, killed at the timeout
+
+    @property
+    def is_async(self) -> bool:
+        """Calling fn returns a coroutine (TRL's `is_async_callable`)."""
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None))
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -84,6 +105,9 @@ class RewardFn:
         object.__setattr__(self, "weight", as_real(self.weight, f"reward {name!r} weight"))
         as_bool(self.batched, f"reward {name!r} batched")
         as_bool(self.concurrent, f"reward {name!r} concurrent")
+        if self.is_async and (self.concurrent or self.process):
+            raise ValueError(f"reward {name!r} is async: its calls are awaited together on "
+                             f"an event loop, so concurrent/process do not apply")
         if as_bool(self.process, f"reward {name!r} process"):
             object.__setattr__(self, "concurrent", True)
             try:
@@ -94,9 +118,9 @@ class RewardFn:
                                  f"(not a lambda, a closure or a local function): "
                                  f"{type(e).__name__}: {exception_line(e):.120}") from None
         if self.timeout is not None:
-            if not self.concurrent:
-                raise ValueError(f"reward {name!r}: timeout needs concurrent=True (a call on "
-                                 f"the calling thread cannot be stopped)")
+            if not (self.concurrent or self.is_async):
+                raise ValueError(f"reward {name!r}: timeout needs concurrent=True or an async "
+                                 f"function (a call on the calling thread cannot be stopped)")
             object.__setattr__(self, "timeout", as_real(
                 self.timeout, f"reward {name!r} timeout", minimum=0.0, open_min=True))
 
@@ -118,6 +142,7 @@ class Rewards:
     fns: tuple  # RewardFn, ... (names unique)
     columns: Callable | None = None  # (meta, sample) -> {column: value} for batched ones
     workers: int = DEFAULT_WORKERS  # threads for the concurrent functions' calls
+    max_steps: int | None = None  # trainer_state.max_steps (the run's steps), if known
 
     def __post_init__(self):
         fns = tuple(f if isinstance(f, RewardFn) else RewardFn(f) for f in self.fns)
@@ -133,6 +158,8 @@ class Rewards:
         object.__setattr__(self, "fns", fns)
         object.__setattr__(self, "workers", as_count(self.workers, "Rewards.workers",
                                                      minimum=1))
+        if self.max_steps is not None:
+            as_count(self.max_steps, "Rewards.max_steps", minimum=1)
 
     @classmethod
     def of(cls, reward) -> Rewards:
@@ -150,20 +177,26 @@ class Rewards:
         """items [(meta, sample, text)] of the step, in batch order -> Scores; RewardError
         (see the module doc). decode(token ids) -> str gives prompts without a column."""
         n = len(items)
-        kwargs = _batch_kwargs(step, self.columns, items, decode) \
+        kwargs = dict(_batch_kwargs(step, self.columns, items, decode),
+                      trainer_state=TrainerState(step, self.max_steps)) \
             if any(f.batched for f in self.fns) else None
         jobs = [(f, i) for f in self.fns for i in ([None] if f.batched else range(n))]
         thunks = [_thunk(f, (items[i],) if i is not None else (),
-                         {k: list(v) for k, v in kwargs.items()} if i is None else {})
+                         {k: list(v) if isinstance(v, list) else v
+                          for k, v in kwargs.items()} if i is None else {})
                   for f, i in jobs]  # own lists each
         values = {}
         pool = _Pool({j: thunks[j] for j, (f, _) in enumerate(jobs) if f.concurrent},
                      self.workers)
         try:
             for j, (f, i) in enumerate(jobs):
-                if not f.concurrent:
+                if not f.concurrent and not f.is_async:
                     values[j] = _checked(step, f, i, items,
                                          _outcome(lambda: thunks[j](_nothing, None), main=True))
+            awaited = _await_all({j: thunks[j] for j, (f, _) in enumerate(jobs) if f.is_async},
+                                 {j: f.timeout for j, (f, _) in enumerate(jobs)})
+            for j, outcome in awaited.items():
+                values[j] = _checked(step, jobs[j][0], jobs[j][1], items, outcome)
             for j, outcome in pool.outcomes({j: f.timeout for j, (f, _) in enumerate(jobs)}):
                 values[j] = _checked(step, jobs[j][0], jobs[j][1], items, outcome)
         finally:
@@ -172,6 +205,13 @@ class Rewards:
         for j, (f, i) in enumerate(jobs):
             per_fn[f.name] += values[j] if i is None else [values[j]]
         return _combine(step, self.fns, per_fn, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """What TRL's `trainer_state` keyword gives a reward that shapes itself by progress."""
+    global_step: int  # the GRPO step being scored (steps done before it)
+    max_steps: int | None  # the run's steps (Rewards.max_steps), None if unknown
 
 
 _CHILDREN = ChildCalls()  # the worker processes of process=True functions, reused
@@ -189,6 +229,34 @@ def _thunk(f: RewardFn, args: tuple, kwargs: dict) -> Callable:
 
 def _nothing() -> None:
     pass
+
+
+def _await_all(thunks: dict, timeouts: dict) -> dict:
+    """{job: outcome} of the async jobs' thunks (each gives a coroutine), awaited together
+    on a new event loop on the calling thread; an outcome is `_outcome`'s, with _Timeout()
+    for a call past its timeout (cancelled at its deadline, or measured when it returns). A
+    real Ctrl-C (KeyboardInterrupt, or the loop's cancellation on SIGINT) propagates."""
+    if not thunks:
+        return {}
+
+    async def one(j):
+        start, limit = time.perf_counter(), asyncio.timeout(timeouts[j])
+        try:
+            async with limit:
+                value = await thunks[j](_nothing, None)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 -- the function's failure, but a real cancel
+            if asyncio.current_task().cancelling():
+                raise
+            return j, (False, _Timeout() if limit.expired() else e)
+        late = timeouts[j] is not None and time.perf_counter() - start > timeouts[j]
+        return j, (False, _Timeout()) if late else (True, value)
+
+    async def gather():
+        return await asyncio.gather(*map(one, thunks))
+
+    return dict(asyncio.run(gather()))
 
 
 def _outcome(thunk: Callable, main: bool = False) -> tuple:
@@ -259,11 +327,20 @@ def _batch_kwargs(step: int, columns: Callable | None, items, decode: Callable) 
     names = dict.fromkeys(k for r in rows for k in r)  # first-seen order
     out = {k: [r.get(k) for r in rows] for k in names}
     prompts = out.pop("prompt", None)
-    out.update(prompts=prompts if prompts is not None else
-               [decode(list(s.prompt_ids)) for _, s, _ in items],
-               completions=[text for _, _, text in items],
+    prompts = prompts if prompts is not None else [decode(list(s.prompt_ids))
+                                                    for _, s, _ in items]
+    chat = bool(prompts) and _is_chat(prompts[0])
+    out.update(prompts=[[dict(m) for m in p] if chat else p for p in prompts],
+               completions=[[{"role": "assistant", "content": text}] if chat else text
+                            for _, _, text in items],
                completion_ids=[_completion_ids(s) for _, s, _ in items])
     return out
+
+
+def _is_chat(prompt) -> bool:
+    """TRL's `is_conversational`: a prompt that is a list of role/content messages."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
 def _completion_ids(sample) -> list:
@@ -360,7 +437,8 @@ class _Pool:
 def load_reward(spec: str) -> RewardFn:
     """`module:function[=weight]` or `path/file.py:function[=weight]` (the CLI's --reward).
     A RewardFn found there is used as declared (=weight replaces its weight); a plain
-    callable is a batched (TRL-shaped) function named after it, on the calling thread.
+    callable is a batched (TRL-shaped) function named after it, on the calling thread (an
+    async one awaited with the step's other async calls).
     Errors are one-line ValueErrors naming the spec."""
     target, sep, weight = spec.rpartition("=")
     target = target if sep else spec

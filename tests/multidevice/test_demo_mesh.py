@@ -25,7 +25,7 @@ from jaxrl_cache.rl.train import TrainState, make_optimizer
 TASK = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tasks" / "add.jsonl"
 # 4 steps: step 0 trains at lr 0 (warmup), steps 1-3 move the params, steps 2-3 sample them
 TINY = dict(steps=4, eval_prompts=2, group_size=4, prompts_per_step=4, rollout_calls=2,
-            checkpoint_every=100, seed=0, task=str(TASK), max_new_tokens=3)
+            checkpoint_every=100, seed=0, dataset=str(TASK), max_new_tokens=3)
 MESH = "trainer=2x2,engine=4"
 
 
