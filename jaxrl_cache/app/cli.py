@@ -19,6 +19,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line errors; `flags` records its long options as they are added, its argument
+    groups' too (what --config may set); `commands` holds its subcommands' parsers."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags, self.commands = config_file.Flags(), {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        return self.flags.recording(super().add_argument)(*names, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        group.add_argument = self.flags.recording(group.add_argument)
+        return group
+
     def error(self, message):  # one line, no usage dump, no traceback
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -79,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="only the fast benchmarks (cache bookkeeping and kernels)")
     bench.add_argument("--json", metavar="PATH", help="also write pytest-benchmark's JSON here")
+    parser.commands.update(demo=demo, bench=bench)
     return parser
 
 
@@ -402,13 +418,9 @@ def main(argv=None) -> int:
         argv = _with_config(parser, argv, args.config)
         args = parser.parse_args(argv)
         # what was set explicitly (a --resume compares exactly these with the run's)
-        args.given = config_file.given_names(_subparser(build_parser(), "demo"),
+        args.given = config_file.given_names(parser.commands["demo"],
                                              argv[argv.index("demo") + 1:])
     return {"demo": _demo, "bench": _bench}[args.command](args)
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    return parser._subparsers._group_actions[0].choices[name]
 
 
 def _with_config(parser: argparse.ArgumentParser, argv: list[str], path) -> list[str]:
@@ -417,7 +429,7 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str], path) -> list
     if path is None:
         return argv
     try:
-        settings = config_file.config_argv(path, _subparser(parser, "demo"))
+        settings = config_file.config_argv(path, parser.commands["demo"].flags)
     except ValueError as e:
         parser.exit(2, f"jaxrl-cache demo: error: {e}".splitlines()[0] + "\n")
     at = argv.index("demo") + 1
