@@ -198,9 +198,10 @@ def test_resume_refuses_changed_settings_in_one_line(tmp_path, capsys):
         assert "\n" not in err, err
         assert err == (f"jaxrl-cache demo: error: --resume: {out} was started with other "
                        f"settings: {differences}; only --steps, --checkpoint-every, "
-                       f"--eval-every and --report-to may change (or start over with "
-                       f"--overwrite)"), err
-    assert set(RESUMABLE) == {"steps", "checkpoint_every", "eval_every", "report_to"}
+                       f"--eval-every, --report-to and --no-completions-log may change (or "
+                       f"start over with --overwrite)"), err
+    assert set(RESUMABLE) == {"steps", "checkpoint_every", "eval_every", "report_to",
+                              "completions_log"}
 
 
 def test_resume_keeps_the_run_settings_and_takes_the_resumable_ones(tmp_path):

@@ -296,8 +296,9 @@ def _run_arguments(add, d) -> None:
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options; "
              "a setting given (flag or --config) that differs from the run's is refused, "
-             "except --steps, --checkpoint-every, --eval-every and --report-to; "
-             "metrics.jsonl is cut to the checkpoint's steps")
+             "except --steps, --checkpoint-every, --eval-every, --report-to and "
+             "--no-completions-log; "
+             "metrics.jsonl and completions.jsonl are cut to the checkpoint's steps")
     add("--overwrite", action="store_true",
         help="replace the previous run in --out (its demo files only)")
     add("--report-to", metavar="SINKS", default=d.report_to,
@@ -305,6 +306,9 @@ def _run_arguments(add, d) -> None:
              "(comma-separated): tensorboard (--out/tensorboard/), csv (--out/metrics.csv), "
              "wandb (offline, --out/wandb/; needs wandb installed), or none; metrics.jsonl "
              "is always written [none]")
+    add("--no-completions-log", dest="completions_log", action="store_false",
+        help="do not write --out/completions.jsonl (one row per sample per step: prompt, "
+             "completion, each reward, advantage, versions, log-prob mismatch)")
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
