@@ -109,8 +109,9 @@ def _prepare(opts: DemoOptions, given=None):
     directory) and checks it against --overwrite. A resumed run locks --out, then reads its
     record, refuses settings in `given` that differ from its saved options (except
     RESUMABLE: --steps, --checkpoint-every, --eval-every, --report-to, --no-completions-log,
-    which the command line sets), keeps the saved options for the rest, then checks the inputs. `given`: the names
-    the caller set explicitly (None: every option that differs from its default)."""
+    which the command line sets), keeps the saved options for the rest, then checks the
+    inputs. `given`: the names the caller set explicitly (None: every option that differs
+    from its default)."""
     run, record = RunDir(opts.out), None
     if opts.resume:
         if not run.run_file.exists():
@@ -126,7 +127,8 @@ def _prepare(opts: DemoOptions, given=None):
                              f"--eval-every, --report-to and --no-completions-log may change "
                              f"(or start over with --overwrite)")
         saved = {k: v for k, v in record["options"].items()
-                 if k not in ("steps", "resume", "overwrite", "out", "report_to")
+                 if k not in ("steps", "resume", "overwrite", "out", "report_to",
+                              "completions_log")
                  and not (k in RESUMABLE and k in given)}
         if record["options"].get("task") and "answer_check" not in record["options"]:
             saved["answer_check"] = "exact"  # a run from before --answer-check scored so
