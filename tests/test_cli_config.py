@@ -148,8 +148,8 @@ def test_every_train_config_and_sampling_field_is_a_setting():
                "n": "--group-size", "stop_token_ids": "the tokenizer's EOS ids",
                "max_new_tokens": "--max-new-tokens"}
     options = {f.name for f in dataclasses.fields(DemoOptions)}
-    flags = {a.dest for command in ("grpo", "demo")
-             for a in cli._subparser(cli.build_parser(), command)._actions}
+    flags = {d for command in ("grpo", "demo")
+             for d in cli.build_parser().commands[command].flags.dests()}
     for config in (TrainConfig, SamplingParams):
         for f in dataclasses.fields(config):
             if f.name not in derived:
@@ -249,9 +249,10 @@ def test_resume_refuses_changed_settings_in_one_line(tmp_path, capsys):
         assert "\n" not in err, err
         assert err == (f"jaxrl-cache demo: error: --resume: {out} was started with other "
                        f"settings: {differences}; only --steps, --checkpoint-every, "
-                       f"--eval-every and --report-to may change (or start over with "
-                       f"--overwrite)"), err
-    assert set(RESUMABLE) == {"steps", "checkpoint_every", "eval_every", "report_to"}
+                       f"--eval-every, --report-to and --no-completions-log may change (or "
+                       f"start over with --overwrite)"), err
+    assert set(RESUMABLE) == {"steps", "checkpoint_every", "eval_every", "report_to",
+                              "completions_log"}
 
 
 def test_resume_keeps_the_run_settings_and_takes_the_resumable_ones(tmp_path):
@@ -286,3 +287,30 @@ def test_the_cli_caps_glibc_malloc_arenas(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     monkeypatch.setattr(cli.ctypes, "CDLL", lambda name: object())  # no mallopt
     cli.limit_malloc_arenas()
+
+
+def test_config_reading_uses_argparse_public_api_only():
+    """A parser built with cli._Parser records its long options (Flags), groups included;
+    config_argv turns a file into arguments argparse parses as typed on the command line;
+    given_names finds the explicitly set dests without changing the parser (its defaults,
+    a repeatable flag's and a str default converted by `type` included)."""
+    from jaxrl_cache.app import config_file
+    parser = cli._Parser(prog="p")
+    parser.add_argument("--count", type=int, default="7")  # a str default: `type` converts it
+    group = parser.add_argument_group("g")
+    group.add_argument("--tag", dest="tags", action="append")
+    group.add_argument("--fast", action="store_true")
+    group.add_argument("--no-log", dest="log", action="store_false")
+    assert {k: (f.option, f.dest, f.kind) for k, f in parser.flags.by_key.items()} == {
+        "count": ("--count", "count", "value"), "tag": ("--tag", "tags", "list"),
+        "tags": ("--tag", "tags", "list"), "fast": ("--fast", "fast", "switch"),
+        "no_log": ("--no-log", "log", "switch"), "log": ("--no-log", "log", "switch")}
+    before = vars(parser.parse_args([]))
+    assert before == dict(count=7, tags=None, fast=False, log=True)
+    assert config_file.given_names(parser, ["--tag", "a", "--tag=b", "--no-log"]) == {
+        "tags", "log"}
+    assert config_file.given_names(parser, []) == set()
+    assert vars(parser.parse_args([])) == before  # the parser is unchanged
+    assert vars(parser.parse_args(["--tag", "a", "--tag=b"]))["tags"] == ["a", "b"]
+    with pytest.raises(TypeError, match="--many: a config file cannot set action='count'"):
+        parser.add_argument("--many", action="count")

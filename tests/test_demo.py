@@ -428,7 +428,7 @@ def test_cli_help_documents_every_flag(capsys, command):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     text = capsys.readouterr().out
-    for action in cli._subparser(cli.build_parser(), command)._actions:
+    for action in cli.build_parser().commands[command]._actions:
         assert action.help, action.option_strings
     assert "--resume" in text and "Ctrl-C" in text and "--model" in text
     assert ("--dataset" in text and "JSONL" in text) == (command == "grpo")

@@ -2,7 +2,9 @@
 back with `csv`, a resumed run appending, W&B through a stand-in module, `--report-to`
 through the demo and the CLI, and the demo without matplotlib."""
 import csv
+import os
 import struct
+import subprocess
 import sys
 import types
 
@@ -13,6 +15,7 @@ from jaxrl_cache.app import cli, demo
 from jaxrl_cache.app.run_dir import RunDir
 from jaxrl_cache.rl import sinks
 from tensorboardX.proto import event_pb2
+from tests.test_demo import REPO
 
 RECORDS = [dict(step=s, reward=0.5 + s, loss=np.float32(-s), audit_failed=0, ok=True,
                 mode="sync", sample=dict(prompt="p", completion="c"), lengths=[1, 2],
@@ -50,7 +53,8 @@ def test_tensorboard_scalars_read_back_live_and_after_a_resume(tmp_path):
     sink = sinks.TensorBoardSink(tmp_path / "tb")
     for r in RECORDS:
         sink.write(r["step"], r)
-    live = scalars_of(read_events(tmp_path / "tb"))  # flushed per step: before close
+        live = scalars_of(read_events(tmp_path / "tb"))  # on disk when write returns
+        assert live["reward"][-1] == (r["step"], r["reward"])
     assert live["reward"] == [(0, 0.5), (1, 1.5), (2, 2.5)]
     assert live["loss"] == [(0, 0.0), (1, -1.0), (2, -2.0)]
     assert live["rewards/exact/mean"] == [(0, 0.0), (1, 0.25), (2, 0.5)]
@@ -60,8 +64,33 @@ def test_tensorboard_scalars_read_back_live_and_after_a_resume(tmp_path):
     resumed = sinks.TensorBoardSink(tmp_path / "tb", start_step=1)  # steps 1, 2 again
     resumed.write(1, dict(reward=9.0))
     resumed.close()
-    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
     assert scalars_of(read_events(tmp_path / "tb"))["reward"] == [(0, 0.5), (1, 9.0)]
+
+
+CRASH = """
+import os, sys
+from jaxrl_cache.rl import sinks
+sink = sinks.TensorBoardSink(sys.argv[1], start_step=int(sys.argv[2]))
+for step in range(int(sys.argv[2]), 3):
+    sink.write(step, dict(reward=float(step), step_seconds=0.5))
+os._exit(9)  # no close, no atexit handler, no flush of anything
+"""
+
+
+def test_tensorboard_steps_survive_a_crash_and_a_resume(tmp_path):
+    """A process killed right after its last write (os._exit: SummaryWriter's atexit
+    cleanup never runs) leaves every step it wrote readable; a resumed one then hides the
+    steps after its checkpoint and appends."""
+    logdir = tmp_path / "tb"
+    for start in (0, 1):
+        done = subprocess.run([sys.executable, "-c", CRASH, str(logdir), str(start)],
+                              cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 9, done.stderr
+        assert scalars_of(read_events(logdir))["reward"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    names = sorted(p.name for p in logdir.glob("events.out.tfevents.*"))
+    assert len(names) == 6  # three steps, the resume's purge, two steps again
+    assert names == sorted(names, key=lambda n: int(n.split(".")[-2]))  # written in order
 
 
 def read_csv(path) -> tuple[list, list]:

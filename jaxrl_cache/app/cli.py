@@ -20,6 +20,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line errors; `flags` records its long options as they are added, its argument
+    groups' too (what --config may set); `commands` holds its subcommands' parsers."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags, self.commands = config_file.Flags(), {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        return self.flags.recording(super().add_argument)(*names, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        group.add_argument = self.flags.recording(group.add_argument)
+        return group
+
     def error(self, message):  # one line, no usage dump, no traceback
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -51,27 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
                         help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _run_parser(sub.add_parser(
+    grpo = sub.add_parser(
         "grpo", help="GRPO on your dataset with your reward functions (a TRL recipe)",
         description=(
             "Trains a policy by GRPO on --dataset's prompts (a JSONL, JSON or parquet file, "
             "a datasets directory saved with save_to_disk, or a Hub dataset) with reward "
             "functions written as for TRL's GRPOTrainer (--reward), or the answer column's "
             "check. Each step: rollout at the current version -> decode -> rewards -> audit "
-            "of every sample -> train_step -> sync_weights. " + _RUN_TEXT)), "grpo")
-    _run_parser(sub.add_parser(
+            "of every sample -> train_step -> sync_weights. " + _RUN_TEXT))
+    demo = sub.add_parser(
         "demo", help="SFT warm start + GRPO on a built-in task (CPU, ~3 min)",
         description=(
             "The grpo run on a built-in task: a small built-in model with a character "
             "tokenizer, saved as a Hugging Face directory, warm-started by a short SFT, then "
-            "GRPO on 'repeat the number' (exact match), or --env calculator. " + _RUN_TEXT)),
-        "demo")
+            "GRPO on 'repeat the number' (exact match), or --env calculator. " + _RUN_TEXT))
+    _run_parser(grpo, "grpo")
+    _run_parser(demo, "demo")
     bench = sub.add_parser("bench", help="run the CPU benchmark suite and print its figures",
                            description="Runs benchmarks/ with pytest-benchmark and prints a "
                                        "table of the figures (ratios measured side by side).")
     bench.add_argument("--quick", action="store_true",
                        help="only the fast benchmarks (cache bookkeeping and kernels)")
     bench.add_argument("--json", metavar="PATH", help="also write pytest-benchmark's JSON here")
+    parser.commands.update(grpo=grpo, demo=demo, bench=bench)
     return parser
 
 
@@ -326,8 +343,9 @@ def _run_arguments(add, d) -> None:
     add("--resume", action="store_true",
         help="continue the run in --out from its latest checkpoint with its saved options; "
              "a setting given (flag or --config) that differs from the run's is refused, "
-             "except --steps, --checkpoint-every, --eval-every and --report-to; "
-             "metrics.jsonl is cut to the checkpoint's steps")
+             "except --steps, --checkpoint-every, --eval-every, --report-to and "
+             "--no-completions-log; "
+             "metrics.jsonl and completions.jsonl are cut to the checkpoint's steps")
     add("--overwrite", action="store_true",
         help="replace the previous run in --out (its demo files only)")
     add("--report-to", metavar="SINKS", default=d.report_to,
@@ -335,6 +353,9 @@ def _run_arguments(add, d) -> None:
              "(comma-separated): tensorboard (--out/tensorboard/), csv (--out/metrics.csv), "
              "wandb (offline, --out/wandb/; needs wandb installed), or none; metrics.jsonl "
              "is always written [none]")
+    add("--no-completions-log", dest="completions_log", action="store_false",
+        help="do not write --out/completions.jsonl (one row per sample per step: prompt, "
+             "completion, each reward, advantage, versions, log-prob mismatch)")
 
 
 def _print_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -463,13 +484,9 @@ def main(argv=None) -> int:
         argv = _with_config(parser, argv, command, args.config)
         args = parser.parse_args(argv)
         # what was set explicitly (a --resume compares exactly these with the run's)
-        args.given = config_file.given_names(_subparser(build_parser(), command),
+        args.given = config_file.given_names(parser.commands[command],
                                              argv[argv.index(command) + 1:])
     return {"grpo": _run, "demo": _run, "bench": _bench}[command](args)
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    return parser._subparsers._group_actions[0].choices[name]
 
 
 def _with_config(parser: argparse.ArgumentParser, argv: list[str], command: str,
@@ -479,7 +496,7 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str], command: str,
     if path is None:
         return argv
     try:
-        settings = config_file.config_argv(path, _subparser(parser, command))
+        settings = config_file.config_argv(path, parser.commands[command].flags)
     except ValueError as e:
         parser.exit(2, f"jaxrl-cache {command}: error: {e}".splitlines()[0] + "\n")
     at = argv.index(command) + 1

@@ -5,13 +5,66 @@ Keys are the flags' names, with dashes or underscores (`group-size`, `group_size
 a list for a repeatable flag such as `stop`); null leaves a setting at its default. The file
 becomes command-line arguments placed before the real ones (`config_argv`), so every value
 is checked exactly as the flag's own, and flags given on the command line win. Unknown keys
-are one ValueError naming them all. No jax here: the CLI reads configs before importing it.
+are one ValueError naming them all; so is a key given twice, or under two spellings. Only
+argparse's public API: the parser's options come from a `Flags` table recorded as they are
+added. No jax here: the CLI reads configs before importing it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A long option as a config file sets it."""
+    option: str  # the option the file's value is passed to ("--group-size")
+    dest: str
+    kind: str  # "value", "list" (repeatable: a list of values) or "switch" (true or false)
+    const: object = None  # a switch: the value its flag stores
+
+
+class Flags:
+    """The long options of one parser, recorded from the actions its add_argument returns
+    (argparse's public Action attributes: option_strings, dest, const) and the `action`
+    named. A setting's keys: each long option without its dashes (dashes or underscores)
+    and its dest; help, version and --config are no settings."""
+    KINDS = {None: "value", "store": "value", "append": "list", "store_true": "switch",
+             "store_false": "switch"}
+
+    def __init__(self):
+        self.by_key: dict[str, Flag] = {}
+
+    def recording(self, add: Callable) -> Callable:
+        """`add` (a parser's or an argument group's add_argument), recording what it adds."""
+        def add_argument(*names, **kwargs):
+            return self.add(add(*names, **kwargs), kwargs.get("action"))
+        return add_argument
+
+    def add(self, action: argparse.Action, kind: str | None) -> argparse.Action:
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if kind in ("help", "version") or not long or action.dest == "config":
+            return action
+        if kind not in self.KINDS:
+            raise TypeError(f"{long[-1]}: a config file cannot set action={kind!r}")
+        flag = Flag(long[-1], action.dest, self.KINDS[kind], action.const)
+        for option in long:
+            self.by_key[_key(option[2:])] = flag
+        self.by_key.setdefault(_key(action.dest), flag)
+        return action
+
+    def get(self, key) -> Flag | None:
+        return self.by_key.get(_key(key))
+
+    def dests(self) -> set[str]:
+        return {flag.dest for flag in self.by_key.values()}
+
+
+def _key(name) -> str:
+    return str(name).replace("-", "_")
 
 
 def read_config(path) -> dict:
@@ -72,52 +125,45 @@ def _yaml(text: str):
         raise ValueError(" ".join(str(e).split())) from None
 
 
-def config_argv(path, parser: argparse.ArgumentParser) -> list[str]:
-    """The settings of the file at `path` as arguments of `parser` (`--name=value` each, a
-    switch as `--name` when true, a repeatable flag once per item), in the file's order."""
+def config_argv(path, flags: Flags) -> list[str]:
+    """The settings of the file at `path` as arguments of the parser whose options `flags`
+    recorded (`--name=value` each, a switch as `--name` when it sets the value given, a
+    repeatable flag once per item), in the file's order."""
     values = read_config(path)
-    by_name = {}
-    for action in parser._actions:
-        for option in action.option_strings:
-            if option.startswith("--") and option not in ("--help", "--config"):
-                by_name[option[2:].replace("-", "_")] = (option, action)
-        if action.option_strings and action.dest not in ("help", "config"):
-            by_name.setdefault(action.dest, (action.option_strings[-1], action))
-    unknown = [k for k in values if str(k).replace("-", "_") not in by_name]
+    unknown = [k for k in values if flags.get(k) is None]
     if unknown:
         raise ValueError(f"--config {path}: unknown setting{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(map(str, unknown))} (keys are the demo's flag names, "
                          f"e.g. group_size or group-size)")
     spelled = {}
-    for key in values:  # group_size and group-size (or a flag's alias) name one setting
-        option = by_name[str(key).replace("-", "_")][0]
+    for key in values:  # group_size and group-size (or a flag's dest) name one setting
+        option = flags.get(key).option
         if option in spelled:
             raise ValueError(f"--config {path}: {spelled[option]} and {key} both set {option}")
         spelled[option] = key
     argv = []
     for key, value in values.items():
-        option, action = by_name[str(key).replace("-", "_")]
-        argv += _arguments(path, key, option, action, value)
+        argv += _arguments(path, key, flags.get(key), value)
     return argv
 
 
-def _arguments(path, key, option: str, action, value) -> list[str]:
+def _arguments(path, key, flag: Flag, value) -> list[str]:
     if value is None:
         return []
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if flag.kind == "switch":
         if not isinstance(value, bool):
             raise ValueError(f"--config {path}: {key} is a switch: true or false, got "
                              f"{value!r}")
-        return [option] if value == isinstance(action, argparse._StoreTrueAction) else []
+        return [flag.option] if value == flag.const else []
     if isinstance(value, (list, tuple)):
-        if not isinstance(action, argparse._AppendAction):
+        if flag.kind != "list":
             raise ValueError(f"--config {path}: {key} takes one value, got a list")
-        return [f"{option}={_text(v)}" for v in value]
+        return [f"{flag.option}={_text(v)}" for v in value]
     if isinstance(value, dict):
         if action.metavar == "JSON":  # --chat-template-kwargs: the mapping as JSON text
             return [f"{option}={json.dumps(value)}"]
         raise ValueError(f"--config {path}: {key} takes a value, got a mapping")
-    return [f"{option}={_text(value)}"]
+    return [f"{flag.option}={_text(value)}"]
 
 
 def _text(value) -> str:
@@ -126,10 +172,15 @@ def _text(value) -> str:
     return str(value)
 
 
+class _Unset(list):
+    """A dest's value before parsing; the very same object after it: not given. A list, so
+    that a repeatable flag appends to a copy of it (argparse copies a non-list default)."""
+
+
 def given_names(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The dests of `parser` that `argv` sets explicitly (defaults suppressed); `parser` is
-    modified (a throwaway copy)."""
-    for action in parser._actions:
-        if action.dest not in ("help", "version"):
-            action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv))) - {"config"}
+    """The dests of `parser` that `argv` sets explicitly (the parser is left unchanged:
+    argparse sets no default on a namespace attribute that exists, public behaviour)."""
+    unset = {dest: _Unset() for dest in vars(parser.parse_args([]))}
+    parsed = parser.parse_args(argv, namespace=argparse.Namespace(**unset))
+    return {dest for dest, value in vars(parsed).items()
+            if value is not unset.get(dest)} - {"config"}

@@ -21,7 +21,8 @@ GRPO on a text task, end to end, through HF directories.
    (tensor parallel) on disjoint device sets; each sync reshards the trainer's params into
    the engine's layout (bytes moved and seconds per sync in metrics.jsonl and the summary).
 
-Files in `out`: run.json (options, written first), metrics.jsonl, checkpoints/,
+Files in `out`: run.json (options, written first), metrics.jsonl, completions.jsonl (every
+sample of every step, unless --no-completions-log), checkpoints/,
 base_model/, sft_model/, final_model/, demo.png. A directory holding a run is refused
 unless --resume or --overwrite.
 """
@@ -57,6 +58,7 @@ from jaxrl_cache.models.hub import resolve_model
 from jaxrl_cache.rl.evaluate import evaluate as evaluate_policy
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
+from jaxrl_cache.rl.completions import CompletionsLog, completion_rows
 from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.sinks import Sinks, make_sinks
 from jaxrl_cache.rl.health import SpreadWatch
@@ -107,9 +109,10 @@ def _prepare(opts: DemoOptions, given=None):
     A new run checks its inputs before it touches --out, then locks --out (one run per
     directory) and checks it against --overwrite. A resumed run locks --out, then reads its
     record, refuses settings in `given` that differ from its saved options (except
-    RESUMABLE: --steps, --checkpoint-every, --eval-every, --report-to, which the command line
-    sets), keeps the saved options for the rest, then checks the inputs. `given`: the names
-    the caller set explicitly (None: every option that differs from its default)."""
+    RESUMABLE: --steps, --checkpoint-every, --eval-every, --report-to, --no-completions-log,
+    which the command line sets), keeps the saved options for the rest, then checks the
+    inputs. `given`: the names the caller set explicitly (None: every option that differs
+    from its default)."""
     run, record = RunDir(opts.out), None
     if opts.resume:
         if not run.run_file.exists():
@@ -123,10 +126,11 @@ def _prepare(opts: DemoOptions, given=None):
         if differences:
             raise ValueError(f"--resume: {run.path} was started with other settings: "
                              f"{'; '.join(differences)}; only --steps, --checkpoint-every, "
-                             f"--eval-every and --report-to may change (or start over with "
-                             f"--overwrite)")
+                             f"--eval-every, --report-to and --no-completions-log may change "
+                             f"(or start over with --overwrite)")
         saved = {k: v for k, v in record["options"].items()
-                 if k not in ("steps", "resume", "overwrite", "out", "report_to")
+                 if k not in ("steps", "resume", "overwrite", "out", "report_to",
+                              "completions_log")
                  and not (k in RESUMABLE and k in given)}
         try:
             opts = dataclasses.replace(opts, **saved)
@@ -642,6 +646,7 @@ class _PromptSource:
     reward: Rewards | None  # the answer reward and --reward's; None: episode returns
     exact: Callable | None  # (examples, sample, text) -> bool; None: the task has no answers
     episodes: dict | None  # rollout_episodes keyword arguments (--env)
+    prompt: Callable  # (examples, sample) -> its prompt as the task gave it (completions.jsonl)
 
 
 def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
@@ -675,7 +680,8 @@ def _prompt_source(opts: DemoOptions, task, tokenizer) -> _PromptSource:
     answers = [RewardFn(answer, name="answer")] if opts.answer_in_rewards else []
     rewards = None if opts.env else Rewards(
         (*answers, *map(load_reward, opts.rewards)), columns=columns, max_steps=opts.steps)
-    return _PromptSource(prompts_of, rewards, exact if task.has_answers else None, episodes)
+    return _PromptSource(prompts_of, rewards, exact if task.has_answers else None, episodes,
+                         prompt=lambda examples, sample: examples[sample.group].prompt)
 
 
 def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: int, seed_key,
@@ -705,6 +711,9 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
     bar = tqdm(range(start_step, opts.steps), initial=start_step, total=opts.steps,
                desc="GRPO", unit="step", dynamic_ncols=True)
     sinks, watch = Sinks([]), SpreadWatch(warn=False)  # --report-to; the no-spread log line
+    # cut to the checkpoint's steps even when off now (a later run may turn it on again)
+    completions = CompletionsLog(run.completions, start_step=start_step) \
+        if opts.completions_log or run.completions.exists() else None
     try:
         sinks = make_sinks(opts.report_to, run.path, start_step=start_step,
                            config=dataclasses.asdict(opts))
@@ -724,6 +733,8 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
                     f"{k} {v:.3f}" for k, v in row.items() if k.startswith("eval/")))
             with deferred_signals():  # the state and its metrics row move together
                 run.append_row(row)
+                if opts.completions_log:
+                    completions.write(completion_rows(result, source.prompt))
                 rows.append(row)
                 state = result.state
             sinks.write(step, row)  # each step as it completes (flushed)

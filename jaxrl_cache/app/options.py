@@ -30,7 +30,8 @@ KERNELS = ("xla", "pallas", "interpret")
 # logits / T scales as 1 / T and its squared norm overflows float32 below ~1e-19 (measured:
 # 1e-18 trains, 1e-20 gives a NaN gradient norm); 1e-15 keeps a 1,000x margin.
 MIN_TRAIN_TEMPERATURE = 1e-15
-RESUMABLE = ("steps", "checkpoint_every", "eval_every", "report_to")  # may change on resume
+RESUMABLE = ("steps", "checkpoint_every", "eval_every", "report_to",  # may change on resume
+             "completions_log")
 NOT_SETTINGS = ("resume", "overwrite", "out")  # how to run, not what: never compared
 
 
@@ -106,6 +107,7 @@ class DemoOptions:
     lora_alpha: float = 8.0  # LoRA scale = alpha / rank (PEFT's default alpha)
     lora_targets: tuple = ()  # PEFT module names or "all-linear"; (): q_proj, v_proj
     report_to: str | None = None  # metrics sinks, "tensorboard,csv" (rl.sinks)
+    completions_log: bool = True  # completions.jsonl: every sample of every step
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "rollout_calls", "sft_batch",

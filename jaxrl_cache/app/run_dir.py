@@ -2,7 +2,7 @@
 
 Files: run.json (the run record: options, then the policy directory and the pre-GRPO eval;
 written atomically), metrics.jsonl (one row per GRPO step, appended a whole line per write),
-checkpoints/, base_model/, sft_model/, final_model/, demo.png, metrics.csv, tensorboard/ and
+completions.jsonl (one row per sample per step: rl/completions.py), checkpoints/, base_model/, sft_model/, final_model/, demo.png, metrics.csv, tensorboard/ and
 wandb/ (--report-to), and the lock file
 `.jaxrl_cache.lock` (dir_lock): one process runs in a directory at a time; another one is
 refused naming the holder's pid, and the lock of a dead run is taken over.
@@ -20,8 +20,9 @@ from jaxrl_cache.dir_lock import DirectoryInUse, claim
 from jaxrl_cache.rl.sinks import CSV_FILE, TENSORBOARD_DIR, WANDB_DIR
 
 RUN_FILE, METRICS, CHECKPOINTS, PLOT = "run.json", "metrics.jsonl", "checkpoints", "demo.png"
-OUTPUTS = (RUN_FILE, METRICS, CHECKPOINTS, PLOT, "base_model", "sft_model", "final_model",
-           CSV_FILE, TENSORBOARD_DIR, WANDB_DIR)  # the last three: --report-to (rl/sinks.py)
+COMPLETIONS = "completions.jsonl"
+OUTPUTS = (RUN_FILE, METRICS, COMPLETIONS, CHECKPOINTS, PLOT, "base_model", "sft_model",
+           "final_model", CSV_FILE, TENSORBOARD_DIR, WANDB_DIR)  # the last three: --report-to
 
 
 class RunDir:
@@ -31,6 +32,7 @@ class RunDir:
         self.path = pathlib.Path(out)
         self.run_file = self.path / RUN_FILE
         self.metrics = self.path / METRICS
+        self.completions = self.path / COMPLETIONS
         self.checkpoints = self.path / CHECKPOINTS
 
     def lock(self) -> None:

@@ -207,6 +207,8 @@ class AuditReport:
     #                        not checked
     first_bad_token: tuple  # (sample, token index) of the first failing token per flagged sample
     mixed_tokens: tuple  # (sample, (token indices...)) for each sample with mixed tokens
+    sample_diff_max: tuple = ()  # per sample: max |diff| over its checked tokens, None when
+    #                              none was checked (all mixed, missing or checked elsewhere)
 
     @property
     def exact(self) -> bool:
@@ -273,6 +275,7 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
         for version in np.unique(v[on & ~m & (v != skip)]):
             by_version.setdefault(int(version), []).append(i)
     first_bad: dict[int, int] = {}
+    per_sample: dict[int, float] = {}
     missing, worst, checked = set(), 0.0, 0
     for version, idx in sorted(by_version.items()):
         todo = [(versions[i] == version) & sampled[i] & ~mixed[i]
@@ -291,6 +294,8 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
                 diff = np.where(np.isnan(diff) & sel, np.inf, np.where(sel, diff, 0.0))
                 checked += int(sel.sum())
                 worst = max(worst, float(diff.max(initial=0.0)))
+                if sel.any():
+                    per_sample[i] = max(per_sample.get(i, 0.0), float(diff.max()))
                 if (diff > tolerance).any():
                     bad.append((i, int(np.argmax(diff > tolerance))))
         for i, t in bad:
@@ -302,7 +307,8 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
         num_checked_tokens=checked, num_mixed_tokens=int(sum(m.sum() for m in mixed)),
         first_bad_token=tuple(sorted(first_bad.items())),
         mixed_tokens=tuple((i, tuple(int(t) for t in np.flatnonzero(m)))
-                           for i, m in enumerate(mixed) if m.any()))
+                           for i, m in enumerate(mixed) if m.any()),
+        sample_diff_max=tuple(per_sample.get(i) for i in range(len(all_samples))))
 
 
 def audited_in_step(train) -> bool:
@@ -323,11 +329,16 @@ def refuse(step: int, batch, report: AuditReport) -> None:
 
 
 def _checked_in_step(samples, version: int) -> int:
-    """Samples with a token the train step's own audit checks (sampled at `version`, not
-    mixed)."""
-    return sum(bool((sample_loss_mask(s, i) & ~token_flags(s, i, "mixed_tokens", False)
-                     & (sample_token_versions(s, i) == version)).any())
-               for i, s in enumerate(samples))
+    """Samples with a token the train step's own audit checks."""
+    return sum(_in_step_tokens(s, i, version) for i, s in enumerate(samples))
+
+
+def _in_step_tokens(sample, index: int, version: int) -> bool:
+    """Whether the train step's own audit checks a token of `sample` (sampled at `version`,
+    not mixed)."""
+    return bool((sample_loss_mask(sample, index)
+                 & ~token_flags(sample, index, "mixed_tokens", False)
+                 & (sample_token_versions(sample, index) == version)).any())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +348,8 @@ class StepAuditCounts:
     checked_tokens: int  # by the separate pass (the step adds its own)
     mixed_tokens: int
     max_abs_diff: float  # over the separate pass's checked tokens
+    sample_diff_max: tuple = ()  # per sample of the step's calls, in batch order: max |diff|
+    #                              over its tokens the separate pass checked, else None
 
 
 def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
@@ -349,7 +362,7 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
     step still checks every token of its version. Raises RuntimeError naming the samples
     when one is flagged (nothing is trained)."""
     audited = flagged = checked = mixed = 0
-    worst = 0.0
+    worst, per_sample = 0.0, []
     for batch in batches:
         if audit_samples is None:
             subset = batch
@@ -364,10 +377,32 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
         checked += report.num_checked_tokens
         mixed += report.num_mixed_tokens
         worst = max(worst, report.max_abs_diff)
+        size = len(batch.episodes if isinstance(batch, EpisodeBatch) else batch.samples)
+        per_sample += [*report.sample_diff_max, *[None] * (size - report.num_samples)]
         refuse(step, batch, report)
         if in_step and audit_samples is not None:  # past the subset: checked in the step
             audited += _checked_in_step(batch.samples[audit_samples:], version)
-    return StepAuditCounts(audited, flagged, checked, mixed, worst)
+    return StepAuditCounts(audited, flagged, checked, mixed, worst, tuple(per_sample))
+
+
+def sample_mismatches(batches: list, counts: StepAuditCounts, *, version: int,
+                      in_step: bool, step_max: float) -> list:
+    """Each sample's largest |sampler - trainer| log-prob over its checked tokens, in batch
+    order, or None where that is not known per sample. The separate pass's figure
+    (`counts.sample_diff_max`) is per sample; the train step's own check (`in_step`) of the
+    tokens of `version` gives only the step's largest (`step_max`): at 0 every one of those
+    tokens is exact, else a sample holding one gets None (its figure is at most step_max).
+    None too for a sample none of whose tokens was checked (all mixed, or past
+    audit_samples without in_step)."""
+    out = []
+    for batch in batches:
+        for i, sample in enumerate(batch.samples):
+            separate = counts.sample_diff_max[len(out)]
+            if not (in_step and _in_step_tokens(sample, i, version)):
+                out.append(separate)
+            else:
+                out.append(None if step_max != 0.0 else separate or 0.0)
+    return out
 
 
 def name_misattributed(step: int, batches: list, params_by_version: Mapping,

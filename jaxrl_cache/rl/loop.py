@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_cache.rl.audit import (EXACT_EVIDENCE_TOKENS, AuditGate, audit_step_calls,
-                                  audited_in_step, name_misattributed)
+                                  audited_in_step, name_misattributed, sample_mismatches)
 from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
@@ -147,11 +147,19 @@ class PolicyHistory:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
+    """A step's new state and what it trained on; the per-sample fields are in batch order
+    (that of `texts`), one entry per sample (rl/completions.py writes them as rows)."""
     state: TrainState
     record: dict  # host numbers: the metrics row of the step
     texts: list  # [(meta, sample, text)] of every sample (an Episode for an episode call,
     #              text its turns' texts joined), in batch order
     ack: WeightAck
+    calls: tuple = ()  # int: the sample's rollout call (its index among the step's calls)
+    rewards: tuple = ()  # float: the sample's reward (its functions' weighted sum)
+    reward_values: dict | None = None  # {function name: (float | None, ...)} (Scores.values);
+    #                                    None: episode returns (reward=None)
+    advantages: tuple = ()  # float: the advantage the update used
+    mismatch: tuple = ()  # float | None: rl.audit.sample_mismatches
 
 
 def _items(meta, batch, decode: Callable) -> list[tuple]:
@@ -206,7 +214,9 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     if reward is None and not all(isinstance(b, EpisodeBatch) for _, b in parts):
         raise ValueError("reward=None needs episode calls (EpisodeBatch) only: a single-turn "
                          "call has no reward of its own")
-    texts = [item for meta, batch in parts for item in _items(meta, batch, decode)]
+    items = [(c, item) for c, (meta, batch) in enumerate(parts)
+             for item in _items(meta, batch, decode)]
+    texts = [item for _, item in items]
     scores = None if scorer is None else scorer.score(step, texts, decode)
     rewards = [float(s.reward) for _, s, _ in texts] if scores is None else scores.totals
     t2 = time.perf_counter()
@@ -246,7 +256,13 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         record.update(scores.metrics)  # rewards/<name>/mean|std, reward_unscored
     if any(isinstance(b, EpisodeBatch) for b in batches):
         record.update(_episode_counters(batches), episodes_untrainable=untrainable)
-    return StepResult(new_state, record, texts, ack)
+    mismatch = sample_mismatches(batches, counts, version=version, in_step=in_step,
+                                 step_max=float(metrics["logprob_mismatch_max"]))
+    return StepResult(new_state, record, texts, ack, calls=tuple(c for c, _ in items),
+                      rewards=tuple(rewards), advantages=tuple(batch.advantages.tolist()),
+                      reward_values=None if scores is None else
+                      {name: tuple(v) for name, v in scores.values.items()},
+                      mismatch=tuple(mismatch))
 
 
 def _gate_of(rollouts) -> AuditGate:

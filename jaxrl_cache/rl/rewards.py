@@ -134,6 +134,8 @@ def batched(fn: Callable, **fields) -> RewardFn:
 class Scores:
     totals: list  # float [N]: each sample's weighted reward, in batch order
     metrics: dict  # rewards/<name>/mean|std, reward_unscored
+    values: dict = dataclasses.field(default_factory=dict)  # {name: [float | None] [N]}: each
+    #   function's value of each sample, in batch order (None: it did not apply)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +371,7 @@ def _combine(step: int, fns: tuple, per_fn: dict, n: int) -> Scores:
         metrics[f"rewards/{f.name}/mean"] = float(np.mean(got)) if got else math.nan
         metrics[f"rewards/{f.name}/std"] = float(np.std(got)) if got else math.nan
     metrics["reward_unscored"] = unscored
-    return Scores(totals, metrics)
+    return Scores(totals, metrics, per_fn)
 
 
 class _Timeout(Exception):

@@ -69,38 +69,39 @@ def _numpy_kind(value) -> str | None:
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard events under `logdir`, one tag per field, one event per step.
+    """Scalars as TensorBoard events under `logdir` through tensorboardX's SummaryWriter (one
+    add_scalar per field), each step's in an event file of its own.
 
-    tensorboardX's own SummaryWriter queues events to a background thread whose flush()
-    does not drain the queue; its synchronous EventsWriter is used instead, so a step's
-    events are in the file when write() returns. A resumed run (start_step > 0) writes a
-    new file beginning with a SessionLog START at start_step: TensorBoard then drops the
-    earlier files' events of steps >= start_step (its purge on a restart)."""
+    SummaryWriter writes on a background thread, and its flush() does not wait for the
+    thread's queue (tensorboardX 2.6.5): close() is the one call that drains it. So write()
+    opens a SummaryWriter, adds the step's scalars and closes it: the step is on disk
+    (fsynced) when write() returns, at the cost of one small file per step. TensorBoard reads
+    a directory's files in name order: a file's name carries the second, the host, then the
+    time in ns and the pid (a file of an existing name would be overwritten). A resumed run
+    (start_step > 0) first writes a file holding SummaryWriter's purge_step = start_step:
+    TensorBoard then drops the earlier files' events of steps >= start_step."""
 
     def __init__(self, logdir, *, start_step: int = 0):
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
-        self.Event, self.Summary = Event, Summary
-        pathlib.Path(logdir).mkdir(parents=True, exist_ok=True)
-        # a unique suffix: the file name is otherwise the second and host (a fast resume
-        # would reopen the previous process's file and clobber it)
-        self.events = EventsWriter(str(pathlib.Path(logdir) / "events"),
-                                   f".{os.getpid()}.{time.time_ns()}")
+        from tensorboardX import SummaryWriter
+        self.SummaryWriter, self.logdir = SummaryWriter, pathlib.Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
         if start_step:
-            self.events.write_event(Event(wall_time=time.time(), step=start_step,
-                                          session_log=SessionLog(status=SessionLog.START)))
-        self.events.flush()
+            self._writer(purge_step=start_step).close()
+
+    def _writer(self, **options):
+        return self.SummaryWriter(str(self.logdir),
+                                  filename_suffix=f".{time.time_ns()}.{os.getpid()}", **options)
 
     def write(self, step: int, record: dict) -> None:
-        values = [self.Summary.Value(tag=tag, simple_value=value)
-                  for tag, value in scalars(record).items()]
-        self.events.write_event(self.Event(wall_time=time.time(), step=step,
-                                           summary=self.Summary(value=values)))
-        self.events.flush()
+        writer = self._writer()
+        try:
+            for tag, value in scalars(record).items():
+                writer.add_scalar(tag, value, step)
+        finally:
+            writer.close()
 
     def close(self) -> None:
-        self.events.close()
+        pass
 
 
 class CsvSink:
