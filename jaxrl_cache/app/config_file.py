@@ -23,7 +23,8 @@ class Flag:
     """A long option as a config file sets it."""
     option: str  # the option the file's value is passed to ("--group-size")
     dest: str
-    kind: str  # "value", "list" (repeatable: a list of values) or "switch" (true or false)
+    kind: str  # "value", "list" (repeatable: a list of values), "switch" (true or false) or
+    #            "json" (metavar JSON: a mapping, passed as JSON text)
     const: object = None  # a switch: the value its flag stores
 
 
@@ -50,7 +51,8 @@ class Flags:
             return action
         if kind not in self.KINDS:
             raise TypeError(f"{long[-1]}: a config file cannot set action={kind!r}")
-        flag = Flag(long[-1], action.dest, self.KINDS[kind], action.const)
+        kind = "json" if action.metavar == "JSON" else self.KINDS[kind]
+        flag = Flag(long[-1], action.dest, kind, action.const)
         for option in long:
             self.by_key[_key(option[2:])] = flag
         self.by_key.setdefault(_key(action.dest), flag)
@@ -160,8 +162,8 @@ def _arguments(path, key, flag: Flag, value) -> list[str]:
             raise ValueError(f"--config {path}: {key} takes one value, got a list")
         return [f"{flag.option}={_text(v)}" for v in value]
     if isinstance(value, dict):
-        if action.metavar == "JSON":  # --chat-template-kwargs: the mapping as JSON text
-            return [f"{option}={json.dumps(value)}"]
+        if flag.kind == "json":  # --chat-template-kwargs: the mapping as JSON text
+            return [f"{flag.option}={json.dumps(value)}"]
         raise ValueError(f"--config {path}: {key} takes a value, got a mapping")
     return [f"{flag.option}={_text(value)}"]
 

@@ -258,8 +258,14 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         record.update(_episode_counters(batches), episodes_untrainable=untrainable)
     mismatch = sample_mismatches(batches, counts, version=version, in_step=in_step,
                                  step_max=float(metrics["logprob_mismatch_max"]))
-    return StepResult(new_state, record, texts, ack, calls=tuple(c for c, _ in items),
-                      rewards=tuple(rewards), advantages=tuple(batch.advantages.tolist()),
+    return _result(new_state, record, items, ack, rewards, batch, scores, mismatch)
+
+
+def _result(state, record, items, ack, rewards, batch, scores, mismatch) -> StepResult:
+    """The StepResult of a step: items [(call, (meta, sample, text))] in batch order."""
+    return StepResult(state, record, [item for _, item in items], ack,
+                      calls=tuple(c for c, _ in items), rewards=tuple(rewards),
+                      advantages=tuple(batch.advantages.tolist()),
                       reward_values=None if scores is None else
                       {name: tuple(v) for name, v in scores.values.items()},
                       mismatch=tuple(mismatch))
