@@ -4,9 +4,9 @@
 (by its family's `train_rules`): the packed micro-batch rows are split over the mesh's data
 and fsdp axes and XLA SPMD partitions the step from the input shardings (params gathered
 per use, gradients reduced back to their shards, optimizer state sharded like its params);
-the new state is put back in the input's layout, so every step reuses one executable. Checkpoints of a placed state
-are written sharded by orbax; `restore_checkpoint` onto a template placed on another mesh
-reads them into that mesh's layout.
+the new state is put back in the input's layout, so every step reuses one executable.
+Checkpoints of a placed state are written sharded by orbax; `restore_checkpoint` onto a
+template placed on another mesh reads them into that mesh's layout.
 """
 from __future__ import annotations
 
