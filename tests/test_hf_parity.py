@@ -28,9 +28,10 @@ def test_dense_logits_match_transformers(name):
     assert dense_error(name) <= TOL
 
 
-# CI runs the engine path for the two layouts that cover every mapping branch (Llama-3 rope
-# scaling + attention bias; Qwen3 q/k norms); `make test-full` runs all five.
-ENGINE_CI = ("llama3", "qwen3")
+# CI runs the engine path for the layouts that cover every mapping branch (Llama-3 rope
+# scaling + attention bias; Qwen3 q/k norms; Gemma's GeGLU, 1 + w norms and scaled
+# embeddings); `make test-full` runs all six.
+ENGINE_CI = ("llama3", "qwen3", "gemma")
 
 
 @pytest.mark.parametrize("name", [n if n in ENGINE_CI else pytest.param(
