@@ -33,8 +33,8 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
     tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
     where unused); positions, segments, parents int32 [B, T], kv_blocks int32
     [B, T / TILE, KM], items int32 [B, W], columns int32 [B, N], sources int32 [B, T], or
-    None (see `models.llama.hidden_states`); knobs: temperature, top_p f32 [], top_k int32 []; kind:
-    `filter_kind` of those knobs (static).
+    None (see `models.llama.hidden_states`; the config's family decoder runs them); knobs:
+    temperature, top_p f32 [], top_k int32 []; kind: `filter_kind` of those knobs (static).
     A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
     scored int32 [B, K] (optional): the only columns whose log-prob is needed (T = padding);
     the LM head runs on those alone and every other position gets 0.
