@@ -12,7 +12,8 @@ import statistics
 import jax
 
 from jaxrl_cache.models import ModelConfig, init_params
-from jaxrl_cache.parallel import (TRAIN_RULES, make_mesh, reshard, rollout_shardings,
+from jaxrl_cache.models.sharding import TRAIN_RULES
+from jaxrl_cache.parallel import (make_mesh, reshard, rollout_shardings,
                                   tree_shardings)
 
 CONFIG = ModelConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,

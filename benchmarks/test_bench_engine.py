@@ -81,7 +81,8 @@ def _dense_decode_loop(config, steps):
                 p = jax.nn.softmax(jnp.where(valid[:, None], s, -jnp.inf), axis=-1)
                 attn = jnp.einsum("bhs,bshd->bhd", p, vr).reshape(x.shape[0], 1, -1)
                 x = x + attn @ layer["wo"]
-                x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps))
+                h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
+                x = x + _mlp(layer, config, h, None)
                 new_cache.append((k_all, v_all))
             key, sub = jax.random.split(key)
             tok, _ = sample_tokens(lm_logits(params, config, x[:, 0]),

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes that split a batch (parallel.mesh DATA, FSDP)
+TENSOR_AXIS = "tensor"  # the engine's tensor-parallel axis (parallel.mesh TENSOR)
 
 
 def batch_axes() -> tuple[str, ...]:

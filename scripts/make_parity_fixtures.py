@@ -12,13 +12,18 @@ is tested), saved as a Hugging Face directory in bfloat16 (small), reloaded in f
 The qwen2 directory also carries a trained BPE tokenizer with a ChatML template, and
 tokenizer.json expectations from transformers' AutoTokenizer.
 
-    python scripts/make_parity_fixtures.py   # rewrites tests/fixtures/hf
+    python scripts/make_parity_fixtures.py          # rewrites tests/fixtures/hf
+    python scripts/make_parity_fixtures.py gemma    # rewrites tests/fixtures/hf/gemma only
+
+Each architecture's seed is its position in ARCHS, so one regenerated alone (a new family
+appended at the end) leaves the others' files as they are.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -46,7 +51,12 @@ ARCHS = {
                                                          rope_theta=1000000.0)),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=12,
                                                          tie_word_embeddings=False)),
+    # GeGLU, norms by 1 + w, embeddings x sqrt(hidden), tied head; biases map q/k/v/o
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(
+        head_dim=12, attention_bias=True, hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True)),
 }
+PLUS_ONE_NORMS = ("gemma",)  # their RMSNorm scales by 1 + w
 SAMPLING = {  # name: (temperature, top_k, top_p)
     "t07": (0.7, 0, 1.0),
     "k12": (1.0, 12, 1.0),
@@ -62,14 +72,15 @@ MESSAGES = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": "the cat sat"}]
 
 
-def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Every weight redrawn: matrices ~ N(0, 1/fan_in) * 1.5, embeddings N(0, 1), norms
-    1 + 0.3 N(0, 1), biases 0.3 N(0, 1): wide logits, no unit norms or zero biases."""
+def randomise(model: torch.nn.Module, gen: torch.Generator, norm_centre: float) -> None:
+    """Every weight redrawn: matrices ~ N(0, 1/fan_in) * 1.5, embeddings N(0, 1), norm gains
+    1 + 0.3 N(0, 1) (stored as norm_centre + 0.3 N(0, 1): 0 where the norm scales by 1 + w),
+    biases 0.3 N(0, 1): wide logits, no unit norms or zero biases."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             z = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * z)
+                p.copy_(norm_centre + 0.3 * z)
             elif name.endswith("bias"):
                 p.copy_(0.3 * z)
             elif "embed" in name:
@@ -123,7 +134,7 @@ def make(name: str, seed: int) -> None:
     path = OUT / name
     gen = torch.Generator().manual_seed(seed)
     model = model_cls(config_cls(**{**BASE, **extra}))
-    randomise(model, gen)
+    randomise(model, gen, 0.0 if name in PLUS_ONE_NORMS else 1.0)
     model.to(torch.bfloat16).save_pretrained(path)
     model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
     tokens = torch.randint(0, VOCAB, (1, SEQ_LEN), generator=gen)
@@ -150,6 +161,14 @@ def make(name: str, seed: int) -> None:
 
 
 def main() -> None:
+    names = sys.argv[1:]
+    if names:
+        for name in names:
+            shutil.rmtree(OUT / name, ignore_errors=True)
+            make(name, list(ARCHS).index(name))
+        print(f"wrote {', '.join(str(OUT / n) for n in names)} with transformers "
+              f"{tf.__version__}, torch {torch.__version__}")
+        return
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama3", "llama_linear", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama3", "llama_linear", "mistral", "qwen2", "qwen3", "gemma")
 SAMPLING = json.loads((FIXTURES / "sampling.json").read_text())  # name: [temp, top_k, top_p]
 
 

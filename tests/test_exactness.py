@@ -175,14 +175,27 @@ def test_every_token_reproduces_bit_for_bit(params0, page_size, slots, chunk, pr
     assert int(metrics["audit_checked_tokens"]) > 0
 
 
-def test_a_tied_lm_head_reproduces_bit_for_bit():
+# Gemma's math on the demo's shapes: GeGLU, norms by 1 + w, embeddings x sqrt(d_model)
+GEMMA = dataclasses.replace(CONFIG, family="gemma", embed_scale=True, norm_plus_one=True,
+                            mlp_act="gelu_tanh", out_bias=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_tied_lm_head_reproduces_bit_for_bit(family):
     """The demo's model has its own LM head; Hugging Face models such as SmolLM2 tie it (the
     dot over the embedding [V, d], contracted on its last axis). The same paths on a tied
     head: decode, packed prefill in small budgets, a cached prefix (the repeated call),
-    micro-batches and mini-batches; audit and train step both reproduce every token."""
-    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    micro-batches and mini-batches; audit and train step both reproduce every token. Gemma:
+    its family's math (norm weights drawn away from 0) through the same paths."""
+    config = dataclasses.replace(GEMMA if family == "gemma" else CONFIG, tie_embeddings=True)
     params = init_params(config, jax.random.key(3))
     assert "lm_head" not in params
+    if family == "gemma":
+        norms = ("attn_norm", "mlp_norm")
+        drawn = jax.random.normal(jax.random.key(4), (len(norms),
+                                                      *params["layers"]["attn_norm"].shape))
+        params = {**params, "final_norm": params["final_norm"] + 0.3, "layers": {
+            **params["layers"], **{n: 0.3 * d for n, d in zip(norms, drawn)}}}
     engine = RolloutEngine(config, CacheConfig(num_pages=256, page_size=4),
                            scheduler_config=SchedulerConfig(max_num_seqs=3, chunk_steps=5,
                                                             max_prefill_tokens=12))

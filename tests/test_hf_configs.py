@@ -2,14 +2,15 @@
 they describe: every metadata field they carry is accepted, and the fields that set the math
 map onto ModelConfig. The dicts are the checkpoints' config.json files as published (and, for
 SmolLM2, as transformers 5 writes it back); the committed fixtures (tests/fixtures/hf) are
-configs written by transformers 5.24 for every family."""
+configs written by transformers 5.24 for every family (Gemma: 5.25)."""
+import dataclasses
 import json
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxrl_cache.models.config import ModelConfig, RopeScaling
-from jaxrl_cache.models.hf import ConfigError, config_from_hf
+from jaxrl_cache.models.hf import ConfigError, config_from_hf, config_to_hf
 
 QWEN25_05B_INSTRUCT = {  # Qwen/Qwen2.5-0.5B-Instruct
     "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -81,6 +82,26 @@ SMOLLM2_135M_INSTRUCT_V5 = {  # the same model saved by transformers 5 (from the
     "tie_word_embeddings": True, "transformers_version": "5.24.0", "use_cache": True,
     "vocab_size": 49152,
 }
+GEMMA_V5 = {  # transformers 5.25's GemmaConfig() (the gemma-7b shape), as it writes it
+    "_name_or_path": "", "architectures": ["GemmaForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 2, "chunk_size_feed_forward": 0,
+    "dtype": "bfloat16", "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 3072, "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "initializer_range": 0.02, "intermediate_size": 24576, "is_encoder_decoder": False,
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "max_position_embeddings": 8192,
+    "model_type": "gemma", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 16, "output_attentions": False, "output_hidden_states": False,
+    "pad_token_id": 0, "problem_type": None, "return_dict": True, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "tie_word_embeddings": True, "transformers_version": "5.25.0",
+    "use_bidirectional_attention": None, "use_cache": True, "vocab_size": 256000,
+}
+# the same shape in the 4.x release form: hidden_act "gelu" (transformers runs the tanh
+# GELU for it), legacy rope keys, no tie_word_embeddings / head_dim (GemmaConfig defaults)
+GEMMA_V4 = {**{k: v for k, v in GEMMA_V5.items() if k not in (
+    "rope_parameters", "dtype", "tie_word_embeddings", "head_dim")},
+    "hidden_act": "gelu", "hidden_activation": None, "rope_theta": 10000.0,
+    "rope_scaling": None, "torch_dtype": "bfloat16", "transformers_version": "4.38.0"}
 
 QWEN25 = ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
                      head_dim=64, d_ff=4864, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6,
@@ -88,6 +109,10 @@ QWEN25 = ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_
 SMOLLM2 = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                       head_dim=64, d_ff=1536, max_seq_len=8192, rope_theta=1e5, norm_eps=1e-5,
                       tie_embeddings=True, dtype="bfloat16")
+GEMMA = ModelConfig(vocab_size=256000, d_model=3072, n_layers=28, n_heads=16, n_kv_heads=16,
+                    head_dim=256, d_ff=24576, max_seq_len=8192, rope_theta=1e4, norm_eps=1e-6,
+                    tie_embeddings=True, dtype="bfloat16", embed_scale=True,
+                    norm_plus_one=True, mlp_act="gelu_tanh", family="gemma")
 EXPECTED = {
     "qwen2.5-0.5b-instruct": (QWEN25_05B_INSTRUCT, QWEN25),
     "qwen2.5-0.5b": (QWEN25_05B, QWEN25),
@@ -105,6 +130,8 @@ EXPECTED = {
         dtype="bfloat16")),
     "smollm2-135m-instruct": (SMOLLM2_135M_INSTRUCT, SMOLLM2),
     "smollm2-135m-instruct-v5": (SMOLLM2_135M_INSTRUCT_V5, SMOLLM2),
+    "gemma-v5": (GEMMA_V5, GEMMA),
+    "gemma-v4": (GEMMA_V4, GEMMA),
 }
 
 
@@ -137,6 +164,27 @@ def test_rope_parameters_must_agree_with_the_legacy_keys():
 def test_math_changing_values_of_accepted_fields_are_still_refused(field, value):
     with pytest.raises(ConfigError, match=field):
         config_from_hf({**QWEN25_05B, field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_act", "silu"), ("hidden_activation", "gelu"), ("use_bidirectional_attention", True),
+    ("mlp_bias", True), ("sliding_window", 4096), ("model_type", "llama"),
+])
+def test_gemma_refuses_what_it_would_not_run_as_transformers(field, value):
+    with pytest.raises(ConfigError, match=field):
+        config_from_hf({**GEMMA_V5, field: value})
+
+
+def test_a_config_is_written_only_by_a_family_that_runs_its_math():
+    """config_to_hf: the family's writer refuses math none of its architectures has, and
+    an unregistered family is named."""
+    with pytest.raises(ValueError, match="no Llama-family architecture"):
+        config_to_hf(dataclasses.replace(GEMMA, family="llama"))
+    with pytest.raises(ValueError, match="GemmaForCausalLM"):
+        config_to_hf(dataclasses.replace(GEMMA, qk_norm=True))
+    with pytest.raises(ValueError, match="'phi3' is not a registered family"):
+        config_to_hf(dataclasses.replace(GEMMA, family="phi3"))
+    assert config_from_hf(config_to_hf(GEMMA)) == GEMMA
 
 
 def test_a_bad_rope_parameters_key_is_named_where_it_came_from():

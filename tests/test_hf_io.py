@@ -80,7 +80,7 @@ def edited(tmp_path, name="qwen2", **changes):
     ("num_experts", 4),
     ("use_sliding_window", True),
     ("layer_types", ["full_attention", "sliding_attention"]),
-    ("architectures", ["GemmaForCausalLM"]),
+    ("architectures", ["Gemma2ForCausalLM"]),
     ("final_logit_softcapping", 30.0),
     ("quantization_config", {"quant_method": "gptq"}),
 ])

@@ -1,12 +1,14 @@
 """Parity with transformers on the committed fixtures (no torch needed): dense logits, greedy
 tokens and logprobs through the RolloutEngine, sampling logprobs under temperature / top-k /
 top-p, and a negative control showing a wrong weight mapping fails the same checks."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_cache.models import forward, from_pretrained, hf
+from jaxrl_cache.models import FAMILIES, forward, from_pretrained
 from jaxrl_cache.rollout import CacheConfig, RolloutEngine
 from jaxrl_cache.distribution import behavior_log_probs
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -27,9 +29,10 @@ def test_dense_logits_match_transformers(name):
     assert dense_error(name) <= TOL
 
 
-# CI runs the engine path for the two layouts that cover every mapping branch (Llama-3 rope
-# scaling + attention bias; Qwen3 q/k norms); `make test-full` runs all five.
-ENGINE_CI = ("llama3", "qwen3")
+# CI runs the engine path for the layouts that cover every mapping branch (Llama-3 rope
+# scaling + attention bias; Qwen3 q/k norms; Gemma's GeGLU, 1 + w norms and scaled
+# embeddings); `make test-full` runs all six.
+ENGINE_CI = ("llama3", "qwen3", "gemma")
 
 
 @pytest.mark.parametrize("name", [n if n in ENGINE_CI else pytest.param(
@@ -79,7 +82,8 @@ def test_top_k_then_top_p_matches_transformers_warpers():
 
 @pytest.mark.parametrize("wrong", ["swap_gate_up", "untransposed_o_proj"])
 def test_negative_control_a_wrong_mapping_fails(monkeypatch, wrong):
-    table = list(hf.LAYER_WEIGHTS)
+    llama = FAMILIES["llama"]
+    table = list(llama.layer_weights)
     names = [ours for ours, _, _ in table]
     if wrong == "swap_gate_up":
         g, u = names.index("w_gate"), names.index("w_up")
@@ -87,5 +91,5 @@ def test_negative_control_a_wrong_mapping_fails(monkeypatch, wrong):
     else:  # o_proj is square here (4 heads x 8 = 32 = hidden), so shapes still fit
         o = names.index("wo")
         table[o] = table[o][:2] + (False,)
-    monkeypatch.setattr(hf, "LAYER_WEIGHTS", tuple(table))
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(llama, layer_weights=tuple(table)))
     assert dense_error("qwen2") > 100 * TOL

@@ -44,8 +44,9 @@ def test_lora_demo_trains_adapters_exports_peft_and_merged_and_resumes(tmp_path)
     state = demo.restore_checkpoint(out / "checkpoints", template)
     assert int(state.version) == 3
     exported = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    assert exported.keys() == peft_state_dict(state.params).keys()
-    assert all(np.array_equal(exported[k], v) for k, v in peft_state_dict(state.params).items())
+    want = peft_state_dict(state.config, state.params)
+    assert exported.keys() == want.keys()
+    assert all(np.array_equal(exported[k], v) for k, v in want.items())
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, config.vocab_size)
     np.testing.assert_allclose(np.asarray(forward(merged, config, tokens)),
                                np.asarray(forward(state.model_params, config, tokens)),

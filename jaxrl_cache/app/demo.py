@@ -51,9 +51,11 @@ from jaxrl_cache.app.options import (ENVS, MAX_CHUNK_STEPS, MAX_COUNT, MAX_SEED,
 from jaxrl_cache.app.run_dir import PLOT, RUN_FILE, RunDir
 from jaxrl_cache.app.tasks import CopyDigits, DatasetTask, Reward, char_tokenizer
 from jaxrl_cache.interrupts import deferred_signals
-from jaxrl_cache.models import (ModelConfig, from_pretrained, init_kv_cache, init_params,
-                               load_tokenizer, lora, save_peft_adapter, save_pretrained)
-from jaxrl_cache.models.hf import config_from_hf, read_json
+from jaxrl_cache.models import (ModelConfig, from_pretrained, load_tokenizer, lora,
+                                save_peft_adapter, save_pretrained)
+from jaxrl_cache.models.families import family_of
+from jaxrl_cache.models.hf import config_from_hf
+from jaxrl_cache.models.hf_config import read_json
 from jaxrl_cache.models.hub import resolve_model
 from jaxrl_cache.rl.evaluate import evaluate as evaluate_policy
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
@@ -217,7 +219,7 @@ def _pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
     """Bytes of a KV pool of `pages` pages of `page_size` tokens (shapes only, nothing
     allocated)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-        lambda: init_kv_cache(config, pages, page_size))))
+        lambda: family_of(config).decoder.init_kv_cache(config, pages, page_size))))
 
 
 def _longest_sample(opts: DemoOptions, task, tokenizer, limit: int, model: str) -> int:
@@ -271,7 +273,8 @@ def _check_job(opts: DemoOptions, config: ModelConfig, row: int, layout) -> None
                          "trainer's devices; run it on one device")
     if layout is not None:
         state = jax.eval_shape(lambda: TrainState.create(
-            init_params(config, jax.random.key(0)), _optimizer(opts), config=config,
+            family_of(config).decoder.init_params(config, jax.random.key(0)),
+            _optimizer(opts), config=config,
             lr_schedule=_lr_schedule(opts)))
         layout.build(config, state, opts.prompts_per_step * opts.group_size)
     if opts.backend == "pallas" and jax.default_backend() != "gpu":
@@ -386,7 +389,7 @@ def _initial_policy(opts: DemoOptions, run: RunDir, task) -> pathlib.Path:
     else:
         tokenizer = char_tokenizer()
         config = builtin_model_config(tokenizer.vocab_size)
-        params = init_params(config, jax.random.key(opts.seed))
+        params = family_of(config).decoder.init_params(config, jax.random.key(opts.seed))
         base = save_pretrained(run.path / "base_model", config, params, tokenizer=tokenizer)
     sft_steps = _sft_steps(opts)
     return _warm_start(dataclasses.replace(opts, sft_steps=sft_steps), run, task, base) \

@@ -1,7 +1,8 @@
 """`jaxrl-cache demo --mesh trainer=T,engine=E`: trainer and engine on disjoint device sets.
 
 trainer=F is an FSDP axis of F devices, trainer=DxF a data x fsdp mesh of D*F devices
-(`parallel.TRAIN_RULES`: params and Adam moments sharded, batches split over data x fsdp);
+(the family's `train_rules`, `models.sharding`: params and Adam moments sharded, batches
+split over data x fsdp);
 engine=E is a tensor-parallel axis of E devices (`RolloutEngine(mesh=...)`). The trainer
 takes the first D*F devices, the engine the next E. Each weight sync reshards a copy of the
 trainer's params into the engine's layout; on disjoint sets every resident byte crosses
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxrl_cache import parallel
 from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.models.sharding import kv_layout
 from jaxrl_cache.rl.batch import TrainBatch
 from jaxrl_cache.rl.train import TrainState, train_step
 
@@ -82,7 +84,7 @@ class MeshLayout:
         engine = parallel.make_mesh({parallel.TENSOR: self.tensor},
                                     devices[trainer_n:trainer_n + self.tensor])
         try:
-            parallel.kv_layout(config, self.tensor)
+            kv_layout(config, self.tensor)
             state_shardings = parallel.train_state_shardings(state, trainer)
             engine_shardings = parallel.rollout_shardings(state.params, config, engine)
         except ValueError as e:

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+MLP_ACTS = ("silu", "gelu_tanh")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -46,8 +47,14 @@ class ModelConfig:
     out_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3)
     rope_scaling: RopeScaling | None = None
+    embed_scale: bool = False  # embeddings x sqrt(d_model), rounded to the params' dtype (Gemma)
+    norm_plus_one: bool = False  # every RMSNorm scales by (1 + w) in fp32; w stored (Gemma)
+    mlp_act: str = "silu"  # the gated MLP's gate: "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma)
+    family: str = "llama"  # its `models.families` entry: the checkpoint format and the code
 
     def __post_init__(self):
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:

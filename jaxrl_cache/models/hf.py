@@ -1,12 +1,12 @@
 """Hugging Face checkpoints in and out: config.json + safetensors <-> (ModelConfig, params).
 
-Supported: LlamaForCausalLM (rope_scaling linear / llama3), MistralForCausalLM (a sliding
-window caps max_seq_len at the window, where windowed and full attention are equal),
-Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (per-head q/k RMSNorm). Any config field
-that would change the math and is not implemented raises ConfigError naming the field: a
-checkpoint either loads as exactly the model transformers runs, or not at all. Metadata
-(names, versions, generation defaults, training-only knobs, fields of features that are
-off) is accepted: tests/test_hf_configs.py holds the field lists of real hub checkpoints.
+Supported (`models.families`): LlamaForCausalLM (rope_scaling linear / llama3),
+MistralForCausalLM (a sliding window caps max_seq_len at the window, where windowed and full
+attention are equal), Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (per-head q/k RMSNorm),
+GemmaForCausalLM (GeGLU, norms by 1 + w, scaled embeddings). Any config field that would
+change the math and is not implemented raises ConfigError naming the field
+(`models.hf_config`): a checkpoint either loads as exactly the model transformers runs, or
+not at all.
 
 A broken directory raises ModelFileError (a ValueError) whose first line names the file and
 the field or tensor: unreadable JSON, a config that is not an object, a missing, mistyped or
@@ -18,7 +18,7 @@ the single file, an older save's loader the index). tie_word_embeddings with a d
 lm_head.weight in the file is refused too: transformers versions disagree on which head
 that checkpoint means (4.x ties and drops the file's head, 5.x keeps it).
 
-Weights move by the name tables below (ours, Hugging Face name, transposed?): HF Linear
+Weights move by the family's name tables (ours, Hugging Face name, transposed?): HF Linear
 weights are [out, in], ours [in, out]; no rotary permutation is needed (both use the
 rotate-half layout). Import reads safetensors through numpy (memory-mapped, no torch) and
 fills each stacked [n_layers, ...] leaf directly in the target dtype.
@@ -26,82 +26,23 @@ fills each stacked [n_layers, ...] leaf directly in the target dtype.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxrl_cache.models.config import ModelConfig, RopeScaling
-from jaxrl_cache.models.llama import init_params
+from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.models.families import ARCHITECTURES, family_for_architecture, family_of, \
+    model_type
+from jaxrl_cache.models.hf_config import (COMMON_FIELDS, DTYPES, INERT_FIELDS, OFF,
+                                          ConfigError, ModelFileError, common_fields,
+                                          common_to_hf, read_json, refuse)
 from jaxrl_cache.models.lora import ADAPTERS, SCALE
 
-# (our name in params["layers"], HF name under "model.layers.{i}.", HF weight is [out, in])
-LAYER_WEIGHTS = (
-    ("attn_norm", "input_layernorm.weight", False),
-    ("wq", "self_attn.q_proj.weight", True),
-    ("wk", "self_attn.k_proj.weight", True),
-    ("wv", "self_attn.v_proj.weight", True),
-    ("bq", "self_attn.q_proj.bias", False),
-    ("bk", "self_attn.k_proj.bias", False),
-    ("bv", "self_attn.v_proj.bias", False),
-    ("q_norm", "self_attn.q_norm.weight", False),
-    ("k_norm", "self_attn.k_norm.weight", False),
-    ("wo", "self_attn.o_proj.weight", True),
-    ("bo", "self_attn.o_proj.bias", False),
-    ("mlp_norm", "post_attention_layernorm.weight", False),
-    ("w_gate", "mlp.gate_proj.weight", True),
-    ("w_up", "mlp.up_proj.weight", True),
-    ("w_down", "mlp.down_proj.weight", True),
-)
-# (our top-level name, HF name, transposed)
-TOP_WEIGHTS = (
-    ("embed", "model.embed_tokens.weight", False),
-    ("final_norm", "model.norm.weight", False),
-    ("lm_head", "lm_head.weight", True),
-)
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM")
-_MODEL_TYPES = {arch: arch[:-len("ForCausalLM")].lower() for arch in ARCHITECTURES}
-# Fields that never change the forward math, whatever their value: metadata, generation
-# defaults (SamplingParams decides sampling), training-only knobs (dropout, init), fields
-# of features another field turns off (max_window_layers: use_sliding_window is refused).
-_INERT_FIELDS = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path",
-    "_model_name_or_path", "_commit_hash", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "output_hidden_states", "output_attentions", "return_dict",
-    "use_return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
-    "problem_type", "tokenizer_class", "attention_dropout", "max_window_layers",
-    "_attn_implementation_autoset", "tf_legacy_loss", "torchscript", "pruned_heads",
-    "use_bfloat16", "finetuning_task", "prefix", "task_specific_params",
-    "keys_to_ignore_at_inference", "is_llama_config", "transformers.js_config",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
-})
-# Fields read below (each either mapped onto ModelConfig or refused when not supported).
-_READ_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
-    "layer_types", "partial_rotary_factor", "pretraining_tp",
-})
-# Any other field is refused unless it is off (None, False, 0, [], {}: e.g. use_mrope false,
-# rope_interleaved false, which transformers ignores for these architectures).
-_ROPE_KEYS = {"default": {"rope_theta"}, "linear": {"rope_theta", "factor"},
-              "llama3": {"rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings"}}
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _FLOAT_HEADER_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -110,132 +51,10 @@ _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _FOREIGN_WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)(\.index\.json)?")
 
 
-class ModelFileError(ValueError):
-    """A model directory file this library cannot read as written; the message names the
-    file and the field or tensor."""
-
-
-class ConfigError(ModelFileError):
-    """A Hugging Face config this library would not run exactly; the message names the field."""
-
-
-def read_json(file: pathlib.Path):
-    """The JSON value of `file`; ModelFileError naming it (and the position) if it is not
-    UTF-8 JSON. A missing file raises FileNotFoundError."""
-    try:
-        return json.loads(file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFileError(f"{file}: not valid JSON ({e})") from None
-
-
-def _refuse(source: str, field: str, value, why: str):
-    """A one-line ConfigError (a field name with control characters is written escaped)."""
-    field = field if field.isprintable() else ascii(field)
-    raise ConfigError(f"{source} field {field:.200}={value!r:.200} is not supported: {why}")
-
-
-def _number(d: dict, key: str, kind: type, source: str, *, label: str | None = None,
-            default=None):
-    """d[key] as a positive int (a JSON integer) or a positive finite float; `default` when
-    absent or null. ConfigError naming `label` (default `key`) otherwise."""
-    label = label or key
-    value = d.get(key)
-    if value is None:
-        if default is None:
-            raise ConfigError(f"{source}: required field {label} is missing")
-        return default
-    ok = not isinstance(value, bool) and (isinstance(value, int) if kind is int else
-                                          isinstance(value, (int, float)))
-    if ok and isinstance(value, int):  # math.isfinite and float() overflow past 2**1024;
-        ok = value.bit_length() <= (31 if kind is int else 1024)  # sizes index int32 arrays
-    elif ok:
-        ok = math.isfinite(value)
-    if not ok or value <= 0:
-        raise ConfigError(f"{source} field {label}={value!r:.200}: expected a positive "
-                          f"{'integer below 2**31' if kind is int else 'number'}")
-    return kind(value)
-
-
-def _flag(hf: dict, key: str, source: str) -> bool:
-    """hf[key] as a bool (absent or null: False); ConfigError naming it if not a JSON bool."""
-    value = hf.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"{source} field {key}={value!r:.200}: expected true or false")
-    return bool(value)
-
-
-def _rope_dict(hf: dict, key: str, source: str) -> dict:
-    """The rope_scaling / rope_parameters object ({} when absent), "type" read as "rope_type"."""
-    value = hf.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"{source} field {key}={value!r:.200}: expected an object")
-    value = dict(value)
-    if "type" in value:
-        value.setdefault("rope_type", value.pop("type"))
-    return value
-
-
-def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from the legacy rope_theta/rope_scaling keys and the v5
-    rope_parameters; where both give a key they must agree."""
-    legacy = _rope_dict(hf, "rope_scaling", source)
-    if hf.get("rope_theta") is not None:
-        legacy["rope_theta"] = hf["rope_theta"]
-    v5 = _rope_dict(hf, "rope_parameters", source)
-    for key in sorted(legacy.keys() & v5.keys()):
-        if legacy[key] != v5[key]:
-            other = "rope_theta" if key == "rope_theta" else f"rope_scaling.{key}"
-            _refuse(source, f"rope_parameters.{key}", v5[key],
-                    f"it disagrees with {other}={legacy[key]!r}")
-    params = {**v5, **legacy}
-    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-
-    def at(key: str) -> str:
-        """The field a merged key came from (the legacy keys win the merge); a missing one
-        is named in the object the config uses."""
-        if key == "rope_theta" and key in legacy:
-            return key
-        field = "rope_scaling" if key in legacy else "rope_parameters" if key in v5 else where
-        return f"{field}.{key}"
-
-    kind = params.pop("rope_type", "default")
-    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
-        _refuse(source, at("rope_type"), kind,
-                "only default, linear and llama3 rotary scaling are implemented")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        _refuse(source, at("partial_rotary_factor"), params["partial_rotary_factor"],
-                "only full rotary embeddings are implemented")
-    params.pop("partial_rotary_factor", None)
-    unknown = sorted(set(params) - _ROPE_KEYS[kind])
-    if unknown:
-        _refuse(source, at(unknown[0]), params[unknown[0]],
-                f"not a parameter of {kind} rotary embeddings")
-
-    def num(key, cast=float):
-        return _number(params, key, cast, source, label=at(key))
-
-    theta = _number(params, "rope_theta", float, source, default=10000.0,
-                    label=at("rope_theta"))
-    try:
-        if kind == "linear":
-            return theta, RopeScaling("linear", num("factor"))
-        if kind == "llama3":
-            return theta, RopeScaling("llama3", num("factor"), num("low_freq_factor"),
-                                      num("high_freq_factor"),
-                                      num("original_max_position_embeddings", int))
-    except ConfigError:
-        raise
-    except ValueError as e:  # RopeScaling's own checks
-        raise ConfigError(f"{source} field {where}: {e}") from None
-    return theta, None
-
-
 def config_from_hf(hf, *, dtype: str | None = None,
                    source: str = "config.json") -> ModelConfig:
-    """ModelConfig of a Hugging Face config.json dict; ConfigError naming `source` and the
-    field for anything unsupported, missing or mistyped.
+    """ModelConfig of a Hugging Face config.json dict, read by its architecture's family;
+    ConfigError naming `source` and the field for anything unsupported, missing or mistyped.
 
     dtype: params dtype; default the checkpoint's dtype / torch_dtype (float32 if absent).
     """
@@ -243,97 +62,28 @@ def config_from_hf(hf, *, dtype: str | None = None,
         raise ConfigError(f"{source}: expected a JSON object of config fields, got "
                           f"{type(hf).__name__}")
     archs = hf.get("architectures") or []
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        _refuse(source, "architectures", archs, f"supported: {', '.join(ARCHITECTURES)}")
+    family = family_for_architecture(archs[0]) if isinstance(archs, list) and \
+        len(archs) == 1 else None
+    if family is None:
+        refuse(source, "architectures", archs, f"supported: {', '.join(ARCHITECTURES)}")
     arch = archs[0]
-    if hf.get("model_type") not in (None, _MODEL_TYPES[arch]):
-        _refuse(source, "model_type", hf["model_type"], f"{arch} is model_type "
-                f"{_MODEL_TYPES[arch]!r} (transformers builds the model from model_type)")
+    if hf.get("model_type") not in (None, model_type(arch)):
+        refuse(source, "model_type", hf["model_type"], f"{arch} is model_type "
+               f"{model_type(arch)!r} (transformers builds the model from model_type)")
     for field, value in hf.items():
-        if field not in _INERT_FIELDS | _READ_FIELDS and value not in (None, False, 0, [], {}):
-            _refuse(source, field, value, "unknown field (it may change the model's math)")
-    if hf.get("hidden_act", "silu") != "silu":
-        _refuse(source, "hidden_act", hf["hidden_act"], "only SiLU (SwiGLU MLP) is implemented")
-    if _flag(hf, "mlp_bias", source):
-        _refuse(source, "mlp_bias", True, "MLP biases are not implemented")
-    if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
-        _refuse(source, "partial_rotary_factor", hf["partial_rotary_factor"],
-                "only full rotary embeddings are implemented")
-    if hf.get("pretraining_tp", 1) not in (None, 1):
-        _refuse(source, "pretraining_tp", hf["pretraining_tp"],
-                "transformers 4.x then splits the matmuls (other rounding); only 1 is run")
-    if _flag(hf, "use_sliding_window", source):
-        _refuse(source, "use_sliding_window", True, "per-layer sliding windows are not "
-                "implemented")
-    layer_types = hf.get("layer_types") or []
-    if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
-        _refuse(source, "layer_types", layer_types, "only full_attention is implemented")
-    theta, scaling = _rope(hf, source)
-    max_seq_len = _number(hf, "max_position_embeddings", int, source, default=2048)
-    if arch == "MistralForCausalLM" and hf.get("sliding_window") is not None:
-        # within the window, windowed attention is full attention: cap the length there
-        max_seq_len = min(max_seq_len, _number(hf, "sliding_window", int, source))
-    bias = _flag(hf, "attention_bias", source)
-    d_model = _number(hf, "hidden_size", int, source)
-    heads = _number(hf, "num_attention_heads", int, source)
-    kv_heads = _number(hf, "num_key_value_heads", int, source, default=heads)
-    if heads % kv_heads:
-        raise ConfigError(f"{source} field num_key_value_heads={kv_heads}: must divide "
-                          f"num_attention_heads={heads}")
-    head_dim = _number(hf, "head_dim", int, source, default=d_model // heads or 1)
-    if head_dim % 2:
-        raise ConfigError(f"{source} field head_dim={head_dim} (default hidden_size // "
-                          f"num_attention_heads): rotary embeddings need an even head_dim")
-    dtype_field = "dtype argument" if dtype else \
-        f"{source} field {'dtype' if hf.get('dtype') else 'torch_dtype'}"
-    dtype = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise ConfigError(f"{dtype_field}={dtype!r:.80} is not supported; use one of "
-                          f"{sorted(_DTYPES)}")
-    return ModelConfig(
-        vocab_size=_number(hf, "vocab_size", int, source), d_model=d_model,
-        n_layers=_number(hf, "num_hidden_layers", int, source), n_heads=heads,
-        n_kv_heads=kv_heads, head_dim=head_dim,
-        d_ff=_number(hf, "intermediate_size", int, source), max_seq_len=max_seq_len,
-        rope_theta=theta, norm_eps=_number(hf, "rms_norm_eps", float, source, default=1e-6),
-        qkv_bias=True if arch == "Qwen2ForCausalLM" else bias and arch != "MistralForCausalLM",
-        out_bias=bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        tie_embeddings=_flag(hf, "tie_word_embeddings", source), dtype=dtype,
-        rope_scaling=scaling)
+        if field not in INERT_FIELDS | COMMON_FIELDS | family.fields and value not in OFF:
+            refuse(source, field, value, "unknown field (it may change the model's math)")
+    common = common_fields(hf, source, dtype)
+    return ModelConfig(**{**common, **family.read(hf, arch, source, common)})
 
 
 def config_to_hf(config: ModelConfig) -> dict:
-    """The config.json of `config` (legacy rope_theta/rope_scaling keys, read by every
-    transformers version and by vLLM). Raises ValueError if no supported architecture has
-    this combination of biases."""
-    if config.qk_norm:
-        arch, extra = "Qwen3ForCausalLM", dict(attention_bias=config.qkv_bias)
-        if config.qkv_bias != config.out_bias:
-            raise ValueError("Qwen3 has q/k/v and output biases together or neither: "
-                             f"qkv_bias={config.qkv_bias}, out_bias={config.out_bias}")
-    elif config.qkv_bias and not config.out_bias:
-        arch, extra = "Qwen2ForCausalLM", {}
-    elif config.qkv_bias == config.out_bias:
-        arch, extra = "LlamaForCausalLM", dict(attention_bias=config.qkv_bias, mlp_bias=False)
-    else:
-        raise ValueError("no supported architecture has out_bias without qkv_bias")
-    rope_scaling = None
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        rope_scaling = dict(rope_type=s.kind, factor=s.factor)
-        if s.kind == "llama3":
-            rope_scaling.update(low_freq_factor=s.low_freq_factor,
-                                high_freq_factor=s.high_freq_factor,
-                                original_max_position_embeddings=s.original_max_position)
-    return dict(
-        architectures=[arch], model_type=arch[:-len("ForCausalLM")].lower(),
-        vocab_size=config.vocab_size, hidden_size=config.d_model,
-        intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim, hidden_act="silu", max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, rope_scaling=rope_scaling,
-        tie_word_embeddings=config.tie_embeddings, torch_dtype=config.dtype, **extra)
+    """The config.json of `config`, written by its family. Raises ValueError if none of the
+    family's architectures has this math."""
+    own = family_of(config).write(config)
+    return dict(architectures=own["architectures"],
+                model_type=model_type(own["architectures"][0]), **common_to_hf(config),
+                **{k: v for k, v in own.items() if k != "architectures"})
 
 
 def _shard_name(index: pathlib.Path, tensor: str, file) -> str:
@@ -418,13 +168,20 @@ def _weight_file_name(name: str) -> bool:
 
 
 def _hf_names(config: ModelConfig, shapes: dict) -> list[tuple[tuple, str, bool]]:
-    """Every (our path, HF name, transposed) the model needs; our path is ("embed",) or
-    ("layers", name, i)."""
-    out = [((ours,), hf, t) for ours, hf, t in TOP_WEIGHTS if ours in shapes]
+    """Every (our path, HF name, transposed) the model needs, by its family's tables; our
+    path is ("embed",) or ("layers", name, i)."""
+    family = family_of(config)
+    out = [((ours,), hf, t) for ours, hf, t in family.top_weights if ours in shapes]
     for i in range(config.n_layers):
         out += [(("layers", ours, i), f"model.layers.{i}.{hf}", t)
-                for ours, hf, t in LAYER_WEIGHTS if ours in shapes["layers"]]
+                for ours, hf, t in family.layer_weights if ours in shapes["layers"]]
     return out
+
+
+def _param_shapes(config: ModelConfig) -> dict:
+    """The params' ShapeDtypeStructs (the family decoder's abstract init)."""
+    init = family_of(config).decoder.init_params
+    return jax.eval_shape(lambda k: init(config, k), jax.random.key(0))
 
 
 def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dict]:
@@ -439,7 +196,7 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     path = pathlib.Path(path)
     config_file = path / "config.json"
     config = config_from_hf(read_json(config_file), dtype=dtype, source=str(config_file))
-    shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+    shapes = _param_shapes(config)
     weights, files = _weight_files(path)
     wanted = _hf_names(config, shapes)
     missing = [hf for _, hf, _ in wanted if hf not in files]
@@ -454,7 +211,7 @@ def from_pretrained(path, *, dtype: str | None = None) -> tuple[ModelConfig, dic
     if unused:
         raise ModelFileError(f"{path / weights}: tensors the model does not use (unsupported "
                              f"architecture variant?): {unused[:5]}")
-    np_dtype = _DTYPES[config.dtype]
+    np_dtype = DTYPES[config.dtype]
     by_leaf: dict[tuple, list] = {}
     for ours, hf, t in wanted:
         by_leaf.setdefault(ours[:2], []).append((ours, hf, t))
@@ -511,8 +268,8 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
                          "lora.merged(params), or save the adapters with save_peft_adapter")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(config_json)
-    shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
-    np_dtype = _DTYPES[config.dtype]
+    shapes = _param_shapes(config)
+    np_dtype = DTYPES[config.dtype]
     host = jax.tree.map(np.asarray, params)
     shards: list[dict] = [{}]
     size = 0

@@ -1,12 +1,15 @@
-"""A Llama/Mistral/Qwen2/Qwen3 decoder LM: an nnx Module holds the weights, pure functions
-compute.
+"""The pre-norm decoder LM every registered family runs (`models.families`: Llama, Mistral,
+Qwen2, Qwen3, Gemma): an nnx Module holds the weights, pure functions compute.
 
-RMSNorm, rotary embeddings (Llama "rotate half" layout, optional linear/llama3 scaling), GQA,
-SwiGLU, optional q/k/v and output-projection biases, optional per-head q/k RMSNorm, tied or
-untied embeddings. Weights are stored [in, out] so x @ w, blocks stacked on a leading
-[n_layers] axis and run by one lax.scan (`models.hf` maps Hugging Face checkpoints on). The same params serve the dense
-`forward` (training, audit) and the paged `prefill_forward` / `decode_forward` (rollout).
-Params are always arguments, never closed over, so new weights never recompile.
+RMSNorm (optionally by 1 + w), rotary embeddings (Llama "rotate half" layout, optional
+linear/llama3 scaling), GQA, a gated MLP (SwiGLU or GeGLU), optional q/k/v and
+output-projection biases, optional per-head q/k RMSNorm, optionally scaled embeddings, tied
+or untied head: each a `ModelConfig` field. Weights are stored [in, out] so x @ w, blocks
+stacked on a leading [n_layers] axis and run by one lax.scan (`models.hf` maps Hugging Face
+checkpoints on). The same params and functions serve the dense `forward` (training, audit)
+and the paged `prefill_forward` / `decode_forward` (rollout), so a family's math is the
+sampler's and the trainer's alike. Params are always arguments, never closed over, so new
+weights never recompile.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl_cache.models.config import ModelConfig
@@ -43,17 +47,18 @@ class DecoderLayers(nnx.Module):
         def const(value, *shape):
             return nnx.Param(jnp.full((n, *shape), value, dtype))
 
-        self.attn_norm = const(1, d)
+        unit = 0 if config.norm_plus_one else 1  # norms start as the identity
+        self.attn_norm = const(unit, d)
         self.wq, self.wk, self.wv = param(normal, d, hq * hd), param(normal, d, hkv * hd), \
             param(normal, d, hkv * hd)
         if config.qkv_bias:
             self.bq, self.bk, self.bv = const(0, hq * hd), const(0, hkv * hd), const(0, hkv * hd)
         if config.qk_norm:
-            self.q_norm, self.k_norm = const(1, hd), const(1, hd)
+            self.q_norm, self.k_norm = const(unit, hd), const(unit, hd)
         self.wo = param(out, hq * hd, d)
         if config.out_bias:
             self.bo = const(0, d)
-        self.mlp_norm = const(1, d)
+        self.mlp_norm = const(unit, d)
         self.w_gate, self.w_up = param(normal, d, config.d_ff), param(normal, d, config.d_ff)
         self.w_down = param(out, config.d_ff, d)
 
@@ -72,7 +77,8 @@ class DecoderLM(nnx.Module):
         normal = nnx.initializers.normal(0.02)
         self.embed = nnx.Param(normal(rngs.params(), (config.vocab_size, config.d_model), dtype))
         self.layers = DecoderLayers(config, rngs=rngs)
-        self.final_norm = nnx.Param(jnp.ones((config.d_model,), dtype))
+        self.final_norm = nnx.Param(jnp.full((config.d_model,), 0 if config.norm_plus_one
+                                             else 1, dtype))
         if not config.tie_embeddings:
             self.lm_head = nnx.Param(normal(rngs.params(), (config.d_model, config.vocab_size),
                                             dtype))
@@ -108,17 +114,32 @@ _transposed = jax.jit(lambda ws: [jnp.swapaxes(w, -1, -2) for w in ws])  # fresh
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
-    """Random params (normal(0.02) matrices, unit norms, zero biases) as a plain pytree."""
+    """Random params (normal(0.02) matrices, identity norms, zero biases) as a plain pytree."""
     return DecoderLM(config, rngs=nnx.Rngs(params=key)).params()
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, plus_one: bool = False):
     """RMSNorm over the last axis, computed in fp32 (the mean by a fixed tree, `tree_sum`),
-    returned in x's dtype."""
+    scaled by weight (by 1 + weight when plus_one, Gemma's), returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     mean = (tree_sum(x32 * x32, -1) / x.shape[-1])[..., None]
     x32 = x32 * jax.lax.rsqrt(mean + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    scale = weight.astype(jnp.float32)
+    return (x32 * (1 + scale if plus_one else scale)).astype(x.dtype)
+
+
+def _norm(config: ModelConfig, x, weight):
+    """The model's RMSNorm of x [..., n] by weight [n]."""
+    return rms_norm(x, weight, config.norm_eps, config.norm_plus_one)
+
+
+def embed(params, config: ModelConfig, tokens):
+    """tokens int32 [...] -> embeddings [..., d_model] in the params' dtype (times
+    sqrt(d_model) rounded to that dtype under config.embed_scale, as transformers' Gemma)."""
+    x = params["embed"][tokens]
+    if config.embed_scale:
+        x = x * jnp.asarray(np.float32(np.sqrt(config.d_model)), x.dtype)
+    return x
 
 
 def rotary_tables(positions, inv_freq):
@@ -149,19 +170,20 @@ def _qkv(layer, config, h, tables, scale):
     k = k.reshape(*lead, config.n_kv_heads, config.head_dim)
     v = v.reshape(*lead, config.n_kv_heads, config.head_dim)
     if config.qk_norm:
-        q = rms_norm(q, layer["q_norm"], config.norm_eps)
-        k = rms_norm(k, layer["k_norm"], config.norm_eps)
+        q, k = _norm(config, q, layer["q_norm"]), _norm(config, k, layer["k_norm"])
     return rotary(q, tables), rotary(k, tables), v
 
 
-def _mlp(layer, h, scale):
+def _mlp(layer, config, h, scale):
+    """The gated MLP: h [..., d_model] -> [..., d_model] (act(h Wg) * h Wu) Wd."""
     gate, up = linear(layer, "w_gate", h, scale), linear(layer, "w_up", h, scale)
-    return linear(layer, "w_down", jax.nn.silu(gate) * up, scale)
+    act = jax.nn.silu(gate) if config.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return linear(layer, "w_down", act * up, scale)
 
 
 def lm_logits(params, config, x):
     """Final norm + LM head: hidden x [..., d_model] -> logits f32 [..., V]."""
-    x = rms_norm(x, params["final_norm"], config.norm_eps)
+    x = _norm(config, x, params["final_norm"])
     if config.tie_embeddings:
         return dense(x, params["embed"], jnp.float32, w_rows_out=True)
     return dense(x, params["lm_head"], jnp.float32)
@@ -186,12 +208,12 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
     def block(carry, layer):
         x, kv_cache, index = carry
         x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
-        h = rms_norm(x, layer["attn_norm"], config.norm_eps)
+        h = _norm(config, x, layer["attn_norm"])
         q, k, v = _qkv(layer, config, h, tables, scale)
         attn, kv_cache = attend(index, q, k, v, kv_cache)
         attn = linear(layer, "wo", attn.reshape(*attn.shape[:-2], -1), scale)
         x = x + (attn + layer["bo"] if config.out_bias else attn)
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.norm_eps), scale)
+        x = x + _mlp(layer, config, _norm(config, x, layer["mlp_norm"]), scale)
         return (x, kv_cache, index + 1), None
 
     if remat != "none":
@@ -274,8 +296,8 @@ def hidden_states(params, config: ModelConfig, tokens, positions=None, segments=
             out = out.reshape(batch, hkv, length, group, hd).transpose(0, 2, 1, 3, 4)
             return out.reshape(batch, length, config.n_heads, hd).astype(q.dtype), kv_cache
 
-    x = params["embed"][tokens]
-    x, _ = _decoder(params, config, x, positions, attend, None, remat)
+    x, _ = _decoder(params, config, embed(params, config, tokens), positions, attend, None,
+                    remat)
     return x
 
 
@@ -289,7 +311,7 @@ def _distinct_forward(params, config, tokens, positions, attend, columns, source
                                kv_cache)
         return take(out, columns), kv_cache
 
-    x = params["embed"][take(tokens, columns)]
+    x = embed(params, config, take(tokens, columns))
     x, _ = _decoder(params, config, x, take(positions, columns), attend_distinct, None, remat)
     return take(x, sources)
 
@@ -415,7 +437,7 @@ def prefill_forward(params, config: ModelConfig, kv_cache, tokens, token_seq, to
                                        backend=backend)
 
     attend = _paged_attend(kernel, page_table, token_seq, token_pos)
-    x = params["embed"][tokens]
+    x = embed(params, config, tokens)
     x, kv_cache = _decoder(params, config, x, jnp.maximum(token_pos, 0), attend, kv_cache)
     return lm_logits(params, config, x[logit_index]), kv_cache
 
@@ -441,6 +463,6 @@ def decode_forward(params, config: ModelConfig, kv_cache, tokens, positions, pag
                                       backend=backend)
 
     attend = _paged_attend(kernel, page_table, rows, table_pos)
-    x = params["embed"][tokens]
+    x = embed(params, config, tokens)
     x, kv_cache = _decoder(params, config, x, jnp.maximum(positions, 0), attend, kv_cache)
     return lm_logits(params, config, x), kv_cache

@@ -21,14 +21,12 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.hf import LAYER_WEIGHTS
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.models.lora import HF_NAMES, LoraConfig, check_adapters
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel wraps the LoraModel that wraps the transformers model
-_MODULES = {ours: hf[:-len(".weight")] for ours, hf, _ in LAYER_WEIGHTS
-            if ours in HF_NAMES.values()}  # "wq" -> "self_attn.q_proj"
 
 
 def adapter_config(lora: LoraConfig, base_model_name_or_path=None) -> dict:
@@ -44,14 +42,17 @@ def adapter_config(lora: LoraConfig, base_model_name_or_path=None) -> dict:
                 base_model_name_or_path=name)
 
 
-def peft_state_dict(adapters: dict) -> dict[str, np.ndarray]:
+def peft_state_dict(config: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
     """PEFT tensor name -> host array of `adapters` ({name: {"a": [n_layers, in, r],
-    "b": [n_layers, r, out]}}): lora_A [r, in], lora_B [out, r] per layer, dtype kept."""
+    "b": [n_layers, r, out]}}): lora_A [r, in], lora_B [out, r] per layer, dtype kept,
+    named by the config's family ("wq" -> "self_attn.q_proj")."""
+    modules = {ours: hf[:-len(".weight")] for ours, hf, _ in family_of(config).layer_weights
+               if ours in HF_NAMES.values()}
     out = {}
     for name, ab in adapters.items():
         a, b = np.asarray(jax.device_get(ab["a"])), np.asarray(jax.device_get(ab["b"]))
         for i in range(a.shape[0]):
-            module = f"{PREFIX}model.layers.{i}.{_MODULES[name]}"
+            module = f"{PREFIX}model.layers.{i}.{modules[name]}"
             out[f"{module}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             out[f"{module}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     return out
@@ -95,7 +96,7 @@ def save_peft_adapter(path, config: ModelConfig, source, *,
         raise ValueError(f"the adapters hold NaN or Inf ({', '.join(bad)}); nothing written")
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(peft_state_dict(adapters), path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    save_file(peft_state_dict(config, adapters), path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (path / ADAPTER_CONFIG).write_text(json.dumps(
         adapter_config(lora, base_model_name_or_path), indent=2))
     return path

@@ -22,7 +22,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from jaxrl_cache.models.hf import ModelFileError, read_json
+from jaxrl_cache.models.hf_config import ModelFileError, read_json
 
 
 def _token(value) -> str | None:

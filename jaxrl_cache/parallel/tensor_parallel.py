@@ -1,9 +1,9 @@
 """The model's paged forwards run per tensor-parallel shard under `shard_map`.
 
 Each shard holds its query heads, their kv heads (its slice of the KV pool), and its slice
-of the FFN (see mesh.rollout_rules). It runs the model's own `prefill_forward` /
-`decode_forward` with a per-shard config (n_heads / tensor heads), so the attention kernels
-(Pallas or xla) see only local heads and pages.
+of the FFN (its family's `rollout_rules`, `models.sharding`). It runs the family decoder's
+own `prefill_forward` / `decode_forward` with a per-shard config (n_heads / tensor heads), so
+the attention kernels (Pallas or xla) see only local heads and pages.
 
 Every weight matrix is split by its output columns, and each shard computes whole output
 columns (no partial sums): wq/wk/wv/w_gate/w_up as Megatron's column-parallel linears; wo
@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxrl_cache.models import ModelConfig, init_kv_cache
-from jaxrl_cache.parallel.mesh import (TENSOR, axis_size, kv_cache_shardings, kv_layout,
-                                       leaf_name, rollout_rules, tree_shardings)
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.models.families import family_of
+from jaxrl_cache.models.sharding import kv_layout
+from jaxrl_cache.parallel.mesh import (TENSOR, axis_size, kv_cache_shardings, leaf_name,
+                                       tree_shardings)
 
 _COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
 _GATHERED = ("wo", "w_down")  # input and output all-gathered around the local columns
@@ -67,18 +69,21 @@ class ColumnShard:
 
 def engine_kv_cache(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh):
     """A zero KV pool laid out for `mesh`: kv-head dim (-3) has max(Hkv, tensor) slots (see
-    mesh.kv_layout), sharded over the tensor axis. Same pytree as `init_kv_cache`."""
+    `models.sharding.kv_layout`), sharded over the tensor axis. Same pytree as the family
+    decoder's `init_kv_cache`."""
     tensor = axis_size(mesh, TENSOR)
     local, copies = kv_layout(config, tensor)
     wide = dataclasses.replace(config, n_kv_heads=config.n_kv_heads * copies)
-    shapes = jax.eval_shape(lambda: init_kv_cache(wide, num_pages, page_size))
-    shardings = kv_cache_shardings(shapes, rollout_rules(config, tensor), mesh)
+    family = family_of(config)
+    shapes = jax.eval_shape(lambda: family.decoder.init_kv_cache(wide, num_pages, page_size))
+    shardings = kv_cache_shardings(shapes, family.rollout_rules(config, tensor), mesh)
     return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, shardings)
 
 
 def rollout_shardings(params, config: ModelConfig, mesh: Mesh):
     """NamedShardings of `params` (arrays or shapes) in the engine's tensor-parallel layout."""
-    return tree_shardings(params, rollout_rules(config, axis_size(mesh, TENSOR)), mesh)
+    rules = family_of(config).rollout_rules(config, axis_size(mesh, TENSOR))
+    return tree_shardings(params, rules, mesh)
 
 
 def _local_params(params, config: ModelConfig, tensor: int, copies: int):
@@ -100,7 +105,8 @@ def _local_params(params, config: ModelConfig, tensor: int, copies: int):
 
 
 def shard_forward(forward: Callable, mesh: Mesh) -> Callable:
-    """`forward` (models.prefill_forward or decode_forward) run tensor-parallel on `mesh`.
+    """`forward` (a decoder's prefill_forward or decode_forward) run tensor-parallel on
+    `mesh`.
 
     The result has forward's signature, (params, config, kv_cache, *arrays, backend=...), and
     returns (logits [..., V] replicated, kv_cache' sharded). params must be laid out by
@@ -115,7 +121,7 @@ def shard_forward(forward: Callable, mesh: Mesh) -> Callable:
         local_heads, copies = kv_layout(config, tensor)
         local_config = dataclasses.replace(config, n_heads=config.n_heads // tensor,
                                            n_kv_heads=local_heads, d_ff=config.d_ff // tensor)
-        rules = rollout_rules(config, tensor)
+        rules = family_of(config).rollout_rules(config, tensor)
         param_specs = jax.tree.map(lambda s: s.spec, tree_shardings(params, rules, mesh))
         kv_specs = jax.tree.map(lambda s: s.spec, kv_cache_shardings(kv_cache, rules, mesh))
 

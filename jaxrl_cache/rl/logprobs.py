@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.models.llama import hidden_states, lm_logits
 from jaxrl_cache.distribution import filter_kind, log_normaliser, log_probs_at, warped_logits
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.rollout.sampling import SamplingParams
 from kernels_pallas import kernel_keyed_jit
 
@@ -33,8 +33,8 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
     tokens, targets int32 [B, T] (targets[b, t]: the token position t predicts; any valid id
     where unused); positions, segments, parents int32 [B, T], kv_blocks int32
     [B, T / TILE, KM], items int32 [B, W], columns int32 [B, N], sources int32 [B, T], or
-    None (see `hidden_states`); knobs: temperature, top_p f32 [], top_k int32 []; kind:
-    `filter_kind` of those knobs (static).
+    None (see `models.llama.hidden_states`; the config's family decoder runs them); knobs:
+    temperature, top_p f32 [], top_k int32 []; kind: `filter_kind` of those knobs (static).
     A target outside the filtered set gets -inf. chunk: positions per LM-head chunk.
     scored int32 [B, K] (optional): the only columns whose log-prob is needed (T = padding);
     the LM head runs on those alone and every other position gets 0.
@@ -43,8 +43,9 @@ def token_log_probs(params, config: ModelConfig, tokens, targets, knobs: dict, *
     the very same bits either way (`log_probs_at` is unchanged; the entropy is a separate
     reduction over the same chunk's logits).
     """
-    x = hidden_states(params, config, tokens, positions, segments, parents, kv_blocks,
-                      items, columns, sources, remat=remat)
+    x = family_of(config).decoder.hidden_states(params, config, tokens, positions, segments,
+                                                parents, kv_blocks, items, columns, sources,
+                                                remat=remat)
     if scored is not None:
         # per-row gathers and scatters (vmap: batch dims a row-sharded batch keeps local)
         cols = jnp.minimum(scored, tokens.shape[1] - 1)
@@ -61,6 +62,7 @@ def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk, entropy=F
     """x [B, T, d] final hidden states, targets int32 [B, T] -> log-probs f32 [B, T]: the LM
     head and warp per chunk of positions (rematerialised); entropy: (log-probs, entropies)."""
     batch, length = targets.shape
+    lm_logits = family_of(config).decoder.lm_logits
     width = max(1, min(length, chunk // batch))  # columns per chunk
     steps = -(-length // width)
     pad = steps * width - length

@@ -15,7 +15,8 @@ import os
 import jax
 import numpy as np
 
-from jaxrl_cache.models.llama import ModelConfig, init_params
+from jaxrl_cache.models.config import ModelConfig
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.models.lora import LoraConfig, init_adapters
 from jaxrl_cache.rl.packing import MAX_ROW
 from jaxrl_cache.rl.train_config import TrainConfig
@@ -64,7 +65,8 @@ def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig, row_length: int |
 @functools.lru_cache(maxsize=None)
 def _param_count(config: ModelConfig) -> int:
     """Parameters of a model (abstract init, once per config: train_step checks every call)."""
-    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    init = family_of(config).decoder.init_params
+    shapes = jax.eval_shape(lambda: init(config, jax.random.key(0)))
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
 

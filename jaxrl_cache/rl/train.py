@@ -39,7 +39,7 @@ from optax import tree_utils as otu
 
 from jaxrl_cache.checks import as_real
 from jaxrl_cache.errors import StalenessError, VersionError
-from jaxrl_cache.models.llama import ModelConfig
+from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters, check_adapters,
                                      frozen_part as lora_frozen_part, init_adapters)
 from jaxrl_cache.parallel.mesh import DATA, FSDP

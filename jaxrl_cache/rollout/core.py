@@ -9,14 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_cache.models import ModelConfig, copy_pages, decode_forward, prefill_forward
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.parallel import shard_forward
 from jaxrl_cache.rollout.sampling import sample_tokens
 from kernels_pallas import kernel_keyed_jit
 
 
 def _on_mesh(forward, mesh):
-    """The model forward, tensor-parallel when the engine has a mesh (parallel.shard_forward)."""
+    """The model forward (the config's family decoder's), tensor-parallel when the engine
+    has a mesh (parallel.shard_forward)."""
     if mesh is None:
         return forward
     return shard_forward(forward, mesh)
@@ -34,10 +36,11 @@ def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_
     from; copy_src, copy_dst int32 [B]. mesh: as in decode_chunk.
     Returns (logits f32 [B, V], kv_cache').
     """
-    logits, kv_cache = _on_mesh(prefill_forward, mesh)(
+    decoder = family_of(config).decoder
+    logits, kv_cache = _on_mesh(decoder.prefill_forward, mesh)(
         params, config, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
         logit_slot, backend=backend)
-    return logits, copy_pages(kv_cache, copy_src, copy_dst)
+    return logits, decoder.copy_pages(kv_cache, copy_src, copy_dst)
 
 
 def row_keys(key, sample_index, emitted):
@@ -67,7 +70,7 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
     """
     batch = fresh.shape[0]
     live0 = budget > 0
-    forward_fn = _on_mesh(decode_forward, mesh)
+    forward_fn = _on_mesh(family_of(config).decoder.decode_forward, mesh)
 
     def cond(state):
         step, done = state[0], state[7]

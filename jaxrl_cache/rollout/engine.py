@@ -41,8 +41,8 @@ from jaxrl_cache.cache import CacheStats, RadixCache
 from jaxrl_cache.checks import as_bool, as_count
 from jaxrl_cache.errors import CacheFullError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
-from jaxrl_cache.models import ModelConfig, init_params, lora
-from jaxrl_cache.models.llama import sampler_layout
+from jaxrl_cache.models import ModelConfig, lora
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -217,8 +217,8 @@ class RolloutEngine:
         self._lock = threading.Lock()  # one rollout step or sync at a time
         self._call_lock = threading.Lock()  # asynchronous mode: one rollout call at a time
         self._active: scheduler.Run | None = None  # asynchronous mode: the call in flight
-        self._param_shapes = jax.eval_shape(lambda k: init_params(model_config, k),
-                                            jax.random.key(0))
+        init = family_of(model_config).decoder.init_params
+        self._param_shapes = jax.eval_shape(lambda k: init(model_config, k), jax.random.key(0))
         self._placement = self.device
         if mesh is not None:
             self._placement = parallel.rollout_shardings(self._param_shapes, model_config, mesh)
@@ -252,7 +252,7 @@ class RolloutEngine:
 
         Single-device and without LoRA, the engine also writes the [out, in] transpose of
         each projection whose small-row dot then needs no padding for the trainer's bits
-        (`models.llama.sampler_layout`; `transposed_bytes` in the ack, freed with the rest).
+        (the decoder's `sampler_layout`; `transposed_bytes` in the ack, freed with the rest).
 
         borrow=True (a synchronous loop): jax arrays already where the engine runs are held
         as they are, not copied, until `release_weights()` or the next sync; the caller must
@@ -394,7 +394,7 @@ class RolloutEngine:
         transposed = 0
         if lora_base is None and self.mesh is None:  # (a LoRA base stays lent as it is)
             before = sum(x.nbytes for x in jax.tree.leaves(resident))
-            resident = sampler_layout(resident)
+            resident = family_of(self.model_config).decoder.sampler_layout(resident)
             transposed = sum(x.nbytes for x in jax.tree.leaves(resident)) - before
         return _Weights(version, resident, source, time.perf_counter() - begun, copied,
                         any(lent) or lora_base is not None, lent_bytes,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_cache import parallel
-from jaxrl_cache.models import ModelConfig, init_kv_cache
+from jaxrl_cache.models import ModelConfig
+from jaxrl_cache.models.families import family_of
 from jaxrl_cache.rollout import core, scheduler
 from jaxrl_cache.rollout.scheduler import Row, Unit
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig
@@ -190,8 +191,9 @@ class Runner:
 
     def _check_pool_fits(self) -> None:
         """Refuses a KV pool larger than the device's memory (host RAM on CPU) up front."""
-        shapes = jax.eval_shape(lambda: init_kv_cache(
-            self.model_config, self.cache_config.num_pages, self.cache_config.page_size))
+        init = family_of(self.model_config).decoder.init_kv_cache
+        shapes = jax.eval_shape(lambda: init(self.model_config, self.cache_config.num_pages,
+                                             self.cache_config.page_size))
         need = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
         stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
         limit = (stats or {}).get("bytes_limit")
@@ -209,8 +211,9 @@ class Runner:
         if self.mesh is not None:
             return parallel.engine_kv_cache(self.model_config, cfg.num_pages, cfg.page_size,
                                             self.mesh)
-        return jax.device_put(init_kv_cache(self.model_config, cfg.num_pages, cfg.page_size),
-                              self.device)
+        pool = family_of(self.model_config).decoder.init_kv_cache(
+            self.model_config, cfg.num_pages, cfg.page_size)
+        return jax.device_put(pool, self.device)
 
     def release_pool(self) -> None:
         """Frees the KV pool (no page may hold anything a reader needs); the next core call

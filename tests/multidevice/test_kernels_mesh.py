@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_cache.models import ModelConfig, init_params
 from jaxrl_cache.parallel import make_mesh
-from jaxrl_cache.parallel.mesh import TRAIN_RULES, tree_shardings
+from jaxrl_cache.models.sharding import TRAIN_RULES
+from jaxrl_cache.parallel.mesh import tree_shardings
 from jaxrl_cache.rl.logprobs import token_log_probs
 from kernels_pallas import KERNELS_ENV
 

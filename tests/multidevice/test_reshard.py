@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_cache.parallel import TRAIN_RULES, make_mesh, reshard, rollout_shardings, tree_shardings
+from jaxrl_cache.models.sharding import TRAIN_RULES
+from jaxrl_cache.parallel import make_mesh, reshard, rollout_shardings, tree_shardings
 from tests.multidevice import common
 
 CONFIG = common.CONFIG

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_cache.parallel import (TRAIN_RULES, format_rules, kv_layout, make_mesh,
-                                  rollout_rules, train_state_shardings, tree_shardings)
+from jaxrl_cache.models.sharding import TRAIN_RULES, kv_layout, rollout_rules
+from jaxrl_cache.parallel import (format_rules, make_mesh, train_state_shardings,
+                                  tree_shardings)
 from tests.multidevice import common
 
 CONFIG = common.CONFIG  # d_model 32, 8 query heads, 2 kv heads, head_dim 8, d_ff 64

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_cache.models import (ModelConfig, decode_forward, init_kv_cache, init_params,
                                 prefill_forward)
-from jaxrl_cache.parallel import (engine_kv_cache, kv_layout, make_mesh, rollout_shardings,
+from jaxrl_cache.models.sharding import kv_layout
+from jaxrl_cache.parallel import (engine_kv_cache, make_mesh, rollout_shardings,
                                   shard_forward)
 from jaxrl_cache.models.llama import dense
 from jaxrl_cache.parallel.tensor_parallel import ColumnShard
