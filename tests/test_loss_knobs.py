@@ -170,8 +170,11 @@ def _rewards(batch):
     return [float(sum(t % 3 == 0 for t in s.output_ids)) for s in batch.samples]
 
 
+SGD = optax.sgd(1.0)  # one object: jit keys the optimizer by identity
+
+
 def _state(params):
-    return TrainState.create(params, optax.sgd(1.0), config=CONFIG, lr_schedule=1e-3)
+    return TrainState.create(params, SGD, config=CONFIG, lr_schedule=1e-3)
 
 
 def _current(params, batch):
@@ -268,3 +271,20 @@ def test_config_checks():
         with pytest.raises((ValueError, TypeError), match=match):
             TrainConfig(**bad)
     assert TrainConfig().clip_high == 0.2 and TrainConfig(epsilon_high=0.28).clip_high == 0.28
+
+
+def test_new_knob_values_compile_nothing(params, rollouts):
+    """epsilon_high, entropy_coef (> 0), min_p (> 0) and repetition_penalty (!= 1) are traced:
+    new values reuse the compiled step."""
+    from jaxrl_cache.rl import train
+    batch = make_batch(rollouts, _rewards(rollouts))
+
+    def step(**kw):
+        sampling = dataclasses.replace(batch.sampling, min_p=kw.pop("min_p"),
+                                       repetition_penalty=kw.pop("penalty"))
+        train_step(_state(params), dataclasses.replace(batch, sampling=sampling), **kw)
+
+    step(epsilon_high=0.3, entropy_coef=0.01, min_p=0.05, penalty=1.2)
+    size = train._train_jit._cache_size()
+    step(epsilon_high=0.25, entropy_coef=0.2, min_p=0.1, penalty=0.9)
+    assert train._train_jit._cache_size() == size
