@@ -331,7 +331,7 @@ def test_new_min_p_and_penalty_values_never_recompile():
     sizes = (rollout_core.prefill_step._cache_size(), rollout_core.decode_chunk._cache_size())
     for v, (penalty, min_p) in enumerate(((1.5, 0.0), (0.7, 0.3)), 1):
         sp = SamplingParams(n=2, max_new_tokens=4, repetition_penalty=penalty, min_p=min_p)
-        engine.rollout(varied_params(0), 0, prompts, sp, rng=jax.random.key(v))
+        engine.rollout(varied_params(v), v, prompts, sp, rng=jax.random.key(v))
     assert (rollout_core.prefill_step._cache_size(),
             rollout_core.decode_chunk._cache_size()) == sizes
 
