@@ -330,3 +330,27 @@ def test_demo_runs_every_knob_with_exact_attribution(tmp_path):
     summary = demo.run_demo(opts)
     assert summary["steps_run"] == 2 and summary["audit_failures"] == 0
     assert summary["audited_samples"] == 2 * 4 * 2
+
+
+def test_penalised_episodes_reproduce_bit_for_bit():
+    """Multi-turn episodes: a later turn's context is the whole history (observations
+    included), in the sampler's presence and in the trainer's packed sequence alike, so the
+    audit and the train step reproduce every sampled token's log-prob under min-p and the
+    repetition penalty."""
+    from jaxrl_cache.rl.audit import audit_attribution
+    from jaxrl_cache.rollout import SchedulerConfig
+    from tests.test_episodes import TASKS, TokenEnv
+    engine = RolloutEngine(CONFIG, CacheConfig(num_pages=128, page_size=4),
+                           scheduler_config=SchedulerConfig(max_num_seqs=4, chunk_steps=4,
+                                                            max_prefill_tokens=256))
+    p0 = varied_params(0)
+    sampling = SamplingParams(n=2, max_new_tokens=5, temperature=0.8, min_p=0.05,
+                              repetition_penalty=1.4)
+    batch = engine.rollout_episodes(p0, 0, TASKS, TokenEnv, sampling, rng=jax.random.key(2))
+    assert all(len(e.turns) > 1 for e in batch.episodes)
+    report = audit_attribution(batch, {0: p0}, CONFIG)
+    assert report.ok and report.max_abs_diff == 0.0, report
+    _, m = train_step(_state(p0), make_batch(batch, [e.reward for e in batch.episodes]),
+                      token_budget=128, audit_tolerance=0.0)
+    assert float(m["logprob_mismatch_max"]) == 0.0
+    assert int(m["audit_checked_tokens"]) == sum(e.sampled_tokens for e in batch.episodes)

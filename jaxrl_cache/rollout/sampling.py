@@ -37,9 +37,10 @@ class SamplingParams:
     def __post_init__(self):
         """Checks and normalises every knob (numpy scalars become Python numbers): integers
         must be real integers (not bools, not 2.5), reals finite; top_k fits an int32 (any
-        top_k >= the vocabulary keeps every token); min_p in [0, 1]; repetition_penalty > 0. Stop ids must be a sequence
-        of non-negative integers; the engine checks them against its vocabulary. Stop strings
-        must be a sequence (not a bare str) of non-empty strings."""
+        top_k >= the vocabulary keeps every token); min_p in [0, 1]; repetition_penalty > 0.
+        Stop ids must be a sequence of non-negative integers; the engine checks them against
+        its vocabulary. Stop strings must be a sequence (not a bare str) of non-empty
+        strings."""
         norm = dict(n=as_count(self.n, "n", minimum=1),
                     max_new_tokens=as_count(self.max_new_tokens, "max_new_tokens", minimum=1),
                     temperature=as_real(self.temperature, "temperature", minimum=0.0),
