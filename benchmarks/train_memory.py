@@ -111,8 +111,7 @@ def _update_memory_plan(state, batch, cfg) -> dict:
     length = packed.tokens.shape[-1]  # remat "auto" resolved as train_step does
     cfg = resolve_remat(state.config, cfg, row_length=length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
-    nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
-                kl_beta=jnp.float32(cfg.kl_beta), dual_clip=None)
+    nums = train.step_numbers(cfg)
     core = train._train_jit_donating if cfg.donate else train._train_jit
     compiled = core.lower(state.params, state.opt_state, state.frozen, state.version, packed, None, None,
                           knobs, jnp.zeros(cfg.updates, jnp.float32), nums, jnp.float32(jnp.inf),

@@ -21,12 +21,20 @@ def varied_params(seed: int, config: ModelConfig = CONFIG):
     return scale_matrices(init_params(config, jax.random.key(seed)), 12.0)
 
 
-def teacher_forced_log_probs(params, config, tokens, temperature, top_p, top_k):
+def prefix_presence(tokens, vocab: int):
+    """tokens int32 [N, L] -> bool [N, L, V]: the tokens at positions <= t of each row (the
+    repetition penalty's context at t), by a cumulative max of one-hots."""
+    return jax.lax.cummax(jax.nn.one_hot(tokens, vocab, dtype=jnp.int32), axis=1) > 0
+
+
+def teacher_forced_log_probs(params, config, tokens, temperature, top_p, top_k, min_p=0.0,
+                             repetition_penalty=1.0):
     """The dense reference: tokens int32 [N, L] -> f32 [N, L-1], the log-prob of token t+1
     from the full [N, L, V] logits and the sampler's own distribution (what rl.logprobs
-    computes chunked)."""
+    computes chunked), its repetition penalty on each prefix's tokens."""
+    presence = prefix_presence(tokens[:, :-1], config.vocab_size)
     logp = behavior_log_probs(forward(params, config, tokens)[:, :-1], temperature, top_p,
-                              top_k)
+                              top_k, min_p, repetition_penalty, presence)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 

@@ -163,7 +163,9 @@ def test_every_train_config_and_sampling_field_is_a_setting():
     assert {f.name: getattr(train, f.name) for f in dataclasses.fields(train)} == dict(
         clip_eps=0.1, dual_clip=3.0, correction="decoupled", is_cap=1.5, max_policy_lag=None,
         loss_type="grpo", kl_beta=0.1, mini_batches=2, epochs=2, token_budget=512,
-        remat="none", compute_dtype="bfloat16", logprob_chunk=64, donate=True)
+        remat="none", compute_dtype="bfloat16", logprob_chunk=64, donate=True,
+        epsilon_high=None, importance_sampling_level="token", entropy_coef=0.0,
+        mask_truncated_completions=False)
     for bad, message in ((dict(top_p=0.0), "--top-p: top_p must be"),
                          (dict(clip_eps=-1.0), "--clip-eps: clip_eps must be"),
                          (dict(stop=("",)), "--stop: stop[0] is an empty string"),

@@ -321,6 +321,21 @@ class TestScheduler:
         assert balanced(engine)
 
 
+def test_new_min_p_and_penalty_values_never_recompile():
+    """min_p and repetition_penalty are traced: once a penalised decode is compiled, other
+    values (min_p 0 included) compile nothing (only penalty 1 vs not is static)."""
+    engine = make_engine()
+    prompts = [list(range(1, 12)), list(range(2, 11))]
+    sp = SamplingParams(n=2, max_new_tokens=4, repetition_penalty=1.2, min_p=0.1)
+    engine.rollout(varied_params(0), 0, prompts, sp, rng=jax.random.key(0))
+    sizes = (rollout_core.prefill_step._cache_size(), rollout_core.decode_chunk._cache_size())
+    for v, (penalty, min_p) in enumerate(((1.5, 0.0), (0.7, 0.3)), 1):
+        sp = SamplingParams(n=2, max_new_tokens=4, repetition_penalty=penalty, min_p=min_p)
+        engine.rollout(varied_params(v), v, prompts, sp, rng=jax.random.key(v))
+    assert (rollout_core.prefill_step._cache_size(),
+            rollout_core.decode_chunk._cache_size()) == sizes
+
+
 def test_compiles_once_per_shape_bucket(monkeypatch):
     """Prompt lengths, partial pages, group sizes, prompt counts, max_new_tokens, params,
     versions and sampling knobs vary. Expected compiles: decode once per (table width, shared

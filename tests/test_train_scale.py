@@ -23,7 +23,7 @@ from jaxrl_cache.rl.train_config import TrainConfig
 from jaxrl_cache.distribution import behavior_log_probs, filter_kind
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import RolloutBatch, Sample
-from tests.helpers import CONFIG, teacher_forced_log_probs, varied_params
+from tests.helpers import CONFIG, prefix_presence, teacher_forced_log_probs, varied_params
 
 SGD = optax.identity()
 _dense = jax.jit(teacher_forced_log_probs, static_argnums=1)
@@ -53,8 +53,10 @@ def _draw(params, prompt, sp, count, rng):
 
 
 @jax.jit
-def _dense_all(params, tokens, temperature, top_p, top_k):
-    return behavior_log_probs(forward(params, CONFIG, tokens), temperature, top_p, top_k)
+def _dense_all(params, tokens, temperature, top_p, top_k, min_p, repetition_penalty):
+    return behavior_log_probs(forward(params, CONFIG, tokens), temperature, top_p, top_k,
+                              min_p, repetition_penalty,
+                              prefix_presence(tokens, CONFIG.vocab_size))
 
 
 def rollout(params, sp, *, groups=2, seed=0, prompt_len=(4, 9), output_len=(1, 12),
@@ -494,8 +496,7 @@ def _compiled_text(sp):
     packed = pack_batch(batch, cfg)
     knobs = sp.as_arrays()
     kind = filter_kind(sp.temperature, sp.top_p, sp.top_k, CONFIG.vocab_size)
-    nums = dict(clip_eps=jnp.float32(0.2), is_cap=jnp.float32(2), kl_beta=jnp.float32(0),
-                dual_clip=None)
+    nums = train.step_numbers(cfg)
     return train._train_jit.lower(state.params, state.opt_state, state.frozen, state.version, packed, None,
                                   None, knobs, jnp.ones(1, jnp.float32), nums, jnp.float32(jnp.inf),
                                   tx=state.tx,

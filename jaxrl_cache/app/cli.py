@@ -217,6 +217,14 @@ def _grpo_arguments(add, d) -> None:
         default=d.top_p, help="nucleus sampling of rollouts and sampled evals [%(default)s]")
     add("--top-k", type=_natural_int, default=d.top_k,
         help="sample among the k likeliest tokens; 0: off [%(default)s]")
+    add("--min-p", type=_number(float, "a number in [0, 1]", lambda v: 0 <= v <= 1),
+        default=d.min_p, help="min-p sampling: keep the tokens whose probability is at least "
+        "min_p x the likeliest one's (after temperature, top-k and top-p); 0: off "
+        "[%(default)s]")
+    add("--repetition-penalty", type=_positive_float, default=d.repetition_penalty,
+        help="divide the logit of every token already in the context (prompt and output so "
+             "far) by this if positive, multiply it if negative, before temperature "
+             "(transformers / vLLM); 1: off [%(default)s]")
     add("--stop", action="append", metavar="TEXT", help="a stop string (repeat the flag for "
         "several): a completion ends at its first occurrence [none]")
     add("--include-stop-str-in-output", action="store_true",
@@ -268,6 +276,23 @@ def _trainer_arguments(add, d) -> None:
              "[%(default)s]")
     add("--clip-eps", type=_positive_float, default=d.clip_eps,
         help="PPO clip range: the ratio is clipped to [1 - eps, 1 + eps] [%(default)s]")
+    add("--epsilon-high", type=_natural_float, default=d.epsilon_high,
+        help="clip-higher (DAPO; TRL's epsilon_high): the ratio's upper clip is "
+             "1 + this [--clip-eps]")
+    add("--scale-rewards", choices=["group", "batch", "none"], default=d.scale_rewards,
+        help="TRL's advantage scaling: r - group mean, divided by the group's or the "
+             "batch's unbiased reward std + 1e-4, or not divided [r - group mean over the "
+             "group's population std + 1e-6]")
+    add("--mask-truncated-completions", action="store_true",
+        help="completions cut at --max-new-tokens get no loss weight (still audited) "
+             "[off]")
+    add("--importance-sampling-level", choices=["token", "sequence"],
+        default=d.importance_sampling_level,
+        help="the ratio per token, or per sequence: exp of the sequence's mean log-ratio "
+             "(GSPO) [%(default)s]")
+    add("--entropy-coef", type=_natural_float, default=d.entropy_coef,
+        help="entropy bonus: the loss minus this x the mean entropy of the sampling "
+             "distribution over the trained tokens [%(default)s]")
     add("--dual-clip", type=_number(float, "a number > 1", lambda v: 1 < v < float("inf")),
         default=d.dual_clip, help="dual-clip PPO: bounds the ratio's pull on negative "
         "advantages at this (> 1) [off]")

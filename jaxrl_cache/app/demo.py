@@ -57,6 +57,7 @@ from jaxrl_cache.models.families import family_of
 from jaxrl_cache.models.hf import config_from_hf
 from jaxrl_cache.models.hf_config import read_json
 from jaxrl_cache.models.hub import resolve_model
+from jaxrl_cache.rl.batch import advantages_for
 from jaxrl_cache.rl.evaluate import evaluate as evaluate_policy
 from jaxrl_cache.rl.checkpoint import (latest_checkpoint_version, restore_checkpoint,
                                        save_checkpoint)
@@ -615,7 +616,8 @@ def _load_policy(opts: DemoOptions, run: RunDir, record: dict | None, task,
         tokenizer = load_tokenizer(policy)
         sampling = SamplingParams(n=opts.group_size, max_new_tokens=_max_new_tokens(opts, task),
                                   temperature=opts.temperature, top_p=opts.top_p,
-                                  top_k=opts.top_k, stop=opts.stop,
+                                  top_k=opts.top_k, min_p=opts.min_p,
+                                  repetition_penalty=opts.repetition_penalty, stop=opts.stop,
                                   include_stop_str_in_output=opts.include_stop_str_in_output,
                                   stop_token_ids=tokenizer.stop_token_ids)
         state = TrainState.create(params, _optimizer(opts), config=config,
@@ -725,6 +727,7 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
                 result = grpo_step(step, state, rollouts, source.reward,
                                    decode=loaded.tokenizer.decode, history=history,
                                    train=train, ref_params=loaded.ref_params,
+                                   advantages=advantages_for(opts.scale_rewards),
                                    mesh=None if placement is None else placement.trainer)
             except Exception as e:  # the step may have donated `state`: keep its intact copy
                 state = _intact_state(e, state)

@@ -51,6 +51,8 @@ class DemoOptions:
     temperature: float = 1.0
     top_p: float = 1.0  # SamplingParams.top_p (rollouts and sampled evals)
     top_k: int = 0  # SamplingParams.top_k (0: off)
+    min_p: float = 0.0  # SamplingParams.min_p (0: off)
+    repetition_penalty: float = 1.0  # SamplingParams.repetition_penalty (1: off)
     stop: tuple = ()  # stop strings (SamplingParams.stop)
     include_stop_str_in_output: bool = False
     lr: float | None = None  # GRPO peak lr; None: 1e-3, or 3e-4 with --env calculator
@@ -94,6 +96,12 @@ class DemoOptions:
     token_budget: int = 4096  # tokens per training micro-batch (sets the trainer's memory)
     loss_type: str = "dapo"  # "dapo" token mean, "grpo" sequence mean, "dr_grpo"
     clip_eps: float = 0.2  # PPO clip range
+    epsilon_high: float | None = None  # upper clip range (clip-higher); None: clip_eps
+    scale_rewards: str | None = None  # TRL's "group" / "batch" / "none"; None: this
+    #   library's group normalisation (rl.batch.group_advantages)
+    mask_truncated_completions: bool = False
+    importance_sampling_level: str = "token"  # or "sequence" (GSPO)
+    entropy_coef: float = 0.0
     dual_clip: float | None = None
     is_cap: float = 2.0  # decoupled correction's importance-weight cap
     kl_beta: float = 0.0  # > 0: k3 KL to the policy GRPO started from
@@ -197,20 +205,23 @@ class DemoOptions:
         if isinstance(self.stop, (list, str)):  # a run record (JSON) or a config file
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
                                else tuple(self.stop))
+        from jaxrl_cache.rl.batch import advantages_for
         from jaxrl_cache.rollout.sampling import SamplingParams
         try:
             train_config(self, async_rollouts=self.async_rollouts)
             SamplingParams(n=self.group_size, temperature=self.temperature, top_p=self.top_p,
-                           top_k=self.top_k, stop=self.stop,
+                           top_k=self.top_k, min_p=self.min_p,
+                           repetition_penalty=self.repetition_penalty, stop=self.stop,
                            include_stop_str_in_output=self.include_stop_str_in_output)
+            advantages_for(self.scale_rewards)
         except (TypeError, ValueError) as e:
             name = str(e).split(" ", 1)[0].split("[", 1)[0]
             raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
-        if self.kl_beta > 0 and (self.top_k or self.top_p < 1):
-            raise ValueError("--kl-beta with --top-k/--top-p: the train step scores the "
-                             "reference policy under the same truncation, so a token outside "
-                             "its top-k/top-p set has an infinite KL; use --kl-beta with "
-                             "plain temperature sampling")
+        if self.kl_beta > 0 and (self.top_k or self.top_p < 1 or self.min_p > 0):
+            raise ValueError("--kl-beta with --top-k/--top-p/--min-p: the train step scores "
+                             "the reference policy under the same truncation, so a token "
+                             "outside its top-k/top-p/min-p set has an infinite KL; use "
+                             "--kl-beta with plain temperature sampling")
         for name, low, high in (("weight_decay", 0.0, float("inf")),
                                 ("max_grad_norm", 0.0, float("inf")),
                                 ("adam_b1", 0.0, 1.0), ("adam_b2", 0.0, 1.0)):
@@ -323,6 +334,10 @@ def train_config(opts: DemoOptions, *, async_rollouts: bool):
     return TrainConfig(correction=opts.correction, mini_batches=opts.mini_batches,
                        epochs=opts.epochs, token_budget=opts.token_budget,
                        loss_type=opts.loss_type, clip_eps=opts.clip_eps,
+                       epsilon_high=opts.epsilon_high,
+                       importance_sampling_level=opts.importance_sampling_level,
+                       entropy_coef=opts.entropy_coef,
+                       mask_truncated_completions=opts.mask_truncated_completions,
                        dual_clip=opts.dual_clip, is_cap=opts.is_cap, kl_beta=opts.kl_beta,
                        remat=opts.remat, compute_dtype=opts.compute_dtype,
                        logprob_chunk=opts.logprob_chunk,

@@ -11,6 +11,7 @@ never in a loss, a normaliser, a ratio statistic or a staleness.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -41,6 +42,41 @@ def group_advantages_no_std(rewards: np.ndarray, groups: np.ndarray) -> np.ndarr
         idx = groups == g
         out[idx] = rewards[idx] - rewards[idx].mean()
     return out.astype(np.float32)
+
+
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards
+TRUNCATED = ("length", "token_budget")  # finish reasons of a sample cut by its token limit
+
+
+def scaled_advantages(rewards: np.ndarray, groups: np.ndarray,
+                      scale_rewards: str = "group") -> np.ndarray:
+    """TRL's GRPO advantages: r - group mean, divided by (std + 1e-4) where std is the
+    unbiased (Bessel) std of the group's rewards ("group"), of the whole batch's ("batch"),
+    or not divided ("none"). A group (a batch) of one sample has std 0. rewards, groups [N]
+    -> f32 [N]."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got "
+                         f"{scale_rewards!r:.80}")
+    rewards = np.asarray(rewards, np.float64)
+    out = np.zeros_like(rewards)
+    std = lambda r: r.std(ddof=1) if r.size > 1 else 0.0  # noqa: E731
+    for g in np.unique(groups):
+        idx = groups == g
+        out[idx] = rewards[idx] - rewards[idx].mean()
+        if scale_rewards == "group":
+            out[idx] /= std(rewards[idx]) + 1e-4
+    if scale_rewards == "batch":
+        out /= std(rewards) + 1e-4
+    return out.astype(np.float32)
+
+
+def advantages_for(scale_rewards: str | None) -> Callable:
+    """make_batch's `advantages` for a scale_rewards setting: None keeps this library's
+    default (`group_advantages`); "group" / "batch" / "none" are TRL's (`scaled_advantages`)."""
+    if scale_rewards is None:
+        return group_advantages
+    scaled_advantages(np.zeros(1), np.zeros(1), scale_rewards)  # checks the name
+    return functools.partial(scaled_advantages, scale_rewards=scale_rewards)
 
 
 def token_flags(sample, index: int, name: str, default: bool) -> np.ndarray:
@@ -86,7 +122,8 @@ class TrainBatch:
     on; at least one per sample; behavior_logprobs is 0 elsewhere); mixed_masks[i] bool
     [O_i], True on tokens that attended KV of another version (Sample.mixed_tokens: their
     recorded log-prob is not checkable by a recompute); advantages[i];
-    behavior_version[i] its oldest sampled token's version (staleness is measured from it).
+    behavior_version[i] its oldest sampled token's version (staleness is measured from it);
+    truncated[i]: its finish_reason is in TRUNCATED (cut by its token limit).
     All samples share one sampling setting (the distribution the loss scores).
     """
     sequences: tuple
@@ -98,6 +135,7 @@ class TrainBatch:
     advantages: np.ndarray  # f32 [N]
     behavior_version: np.ndarray  # int64 [N]
     sampling: SamplingParams
+    truncated: np.ndarray  # bool [N]
 
     @property
     def num_samples(self) -> int:
@@ -185,20 +223,25 @@ def make_batch(rollouts: RolloutBatch | EpisodeBatch | Sequence[RolloutBatch | E
         mixed_masks=tuple(token_flags(s, i, "mixed_tokens", False) & m
                           for i, (s, m) in enumerate(zip(samples, masks))),
         behavior_version=np.array([int(v[m].min()) for v, m in zip(versions, masks)]),
-        sampling=sp)
+        sampling=sp, truncated=np.array([s.finish_reason in TRUNCATED for s in samples]))
 
 
-def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str) -> list[np.ndarray]:
+def _loss_weights(batch: TrainBatch, part: np.ndarray, loss_type: str,
+                  mask_truncated: bool = False) -> list[np.ndarray]:
     """Each output token's share of its mini-batch's loss: per sample f32 [O_i], 0 exactly
-    on unsampled tokens. dapo: 1 / sampled tokens of the mini-batch; grpo: 1 / (its sample's
+    on untrained tokens. dapo: 1 / trained tokens of the mini-batch; grpo: 1 / (its sample's
     sampled tokens x samples); dr_grpo: 1 / (samples x max_new_tokens), a constant (for
-    episodes max_new_tokens is per turn: still a constant, not an episode's length)."""
-    masks = [batch.loss_masks[i] for i in part]
+    episodes max_new_tokens is per turn: still a constant, not an episode's length).
+    mask_truncated: a truncated sample's tokens are untrained (weight 0; TRL's
+    mask_truncated_completions: they leave dapo's token count, not grpo's and dr_grpo's
+    sample count)."""
+    masks = [np.zeros_like(batch.loss_masks[i]) if mask_truncated and batch.truncated[i]
+             else batch.loss_masks[i] for i in part]
     sampled = [int(m.sum()) for m in masks]
     if loss_type == "dapo":
-        shares = [1.0 / sum(sampled)] * len(part)
+        shares = [1.0 / max(sum(sampled), 1)] * len(part)
     elif loss_type == "grpo":
-        shares = [1.0 / (n * len(part)) for n in sampled]
+        shares = [1.0 / (max(n, 1) * len(part)) for n in sampled]
     else:  # dr_grpo
         shares = [1.0 / (len(part) * batch.sampling.max_new_tokens)] * len(part)
     return [np.where(m, np.float32(w), np.float32(0)) for m, w in zip(masks, shares)]
@@ -220,7 +263,8 @@ def pack_batch(batch: TrainBatch, cfg: TrainConfig, *, row_multiple: int = 1) ->
     parts = balanced_parts(np.array([len(s) for s in batch.sequences]), cfg.mini_batches)
     weights = [None] * batch.num_samples
     for part in parts:
-        for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type)):
+        for i, w in zip(part, _loss_weights(batch, part, cfg.loss_type,
+                                            cfg.mask_truncated_completions)):
             weights[i] = w
     known = _PACKED_SHAPES.setdefault((len(parts), cfg.token_budget, row_multiple), {})
     audited = [m & ~x for m, x in zip(batch.loss_masks, batch.mixed_masks)]

@@ -52,14 +52,15 @@ class PackedBatch:
     """Per-position arrays, all [U, M, B, R] (U mini-batches x M micro-batches x B rows x R).
 
     targets[..., t] is the token position t predicts (same segment); weights[..., t] > 0
-    exactly where it is a sampled output token, and is that token's share of its
-    mini-batch's loss (the loss aggregation, summing to its normaliser); behavior, versions
-    and advantages are the recorded log-prob, version and advantage of that target; audited
-    is 1 where the recorded log-prob is checkable (a sampled token that attended no KV of
-    another version). scored lists the positions whose log-prob the step needs (weight > 0),
-    so the LM head runs on those only (`scored_columns`); kv_blocks lists the TILEs of keys
-    each tile of TILE positions sees, in its sequence's order, and items the key blocks
-    those fill, so attention skips the rest of the row and every block no query sees.
+    exactly where it is a trained output token (sampled; not of a masked truncated sample),
+    and is that token's share of its mini-batch's loss (the loss aggregation, summing to its
+    normaliser); behavior, versions and advantages are the recorded log-prob, version and
+    advantage of that target; audited is 1 where the recorded log-prob is checkable (a
+    sampled token that attended no KV of another version). scored lists the positions whose
+    log-prob the step needs (weight > 0 or audited), so the LM head runs on those only
+    (`scored_columns`); kv_blocks lists the TILEs of keys each tile of TILE positions sees,
+    in its sequence's order, and items the key blocks those fill, so attention skips the
+    rest of the row and every block no query sees.
     """
     tokens: jax.Array  # int32
     positions: jax.Array  # int32, restarting per sequence (continuing after a shared prefix)
@@ -87,7 +88,7 @@ class PackedBatch:
     def computed_tokens(self) -> int:
         """Token rows the projections and MLPs run on: B x N for each micro-batch with a
         scored token (the train step skips the others)."""
-        used = np.asarray(self.weights > 0).any(axis=(-1, -2))  # [U, M]
+        used = np.asarray((self.weights > 0) | (self.audited > 0)).any(axis=(-1, -2))  # [U, M]
         return int(used.sum()) * int(np.prod(self.columns.shape[2:]))
 
 
@@ -331,13 +332,14 @@ def pack(sequences, prompt_lengths, behavior, versions, advantages, weights, aud
     row_pairs: dict = {}  # (u, m, b) -> (tile, key block) pairs with a listed TILE
     for (*row, _), blocks in tiles.items():
         row_pairs[tuple(row)] = row_pairs.get(tuple(row), 0) + -(-len(blocks) // per)
-    scored = int((out["weights"] > 0).sum(-1).max(initial=0))
+    needed = (out["weights"] > 0) | (out["audited"] > 0)
+    scored = int(needed.sum(-1).max(initial=0))
     reserved = reserve is not None  # the planned bounds hold any sampled layout's
     k, km, n, w = widths(max(scored, most if reserved else 0),
                          max(max(map(len, distinct.values())),
                              planned_distinct if reserved else 0),
                          max(max(row_pairs.values(), default=0), planned_pairs))
-    out["scored"] = scored_columns(out["weights"], k)
+    out["scored"] = scored_columns(needed, k)
     _index_tables(out, tiles, distinct, shape, (km, n, w))
     return PackedBatch(**{k: jax.numpy.asarray(v) for k, v in out.items()})
 
@@ -575,7 +577,7 @@ def _shared_prompt(prompt: np.ndarray, earlier: list) -> tuple[int, np.ndarray |
 
 
 def scored_columns(weights: np.ndarray, k: int) -> np.ndarray:
-    """weights f32 [..., R] -> int32 [..., k]: each row's columns with weight > 0 in order,
+    """weights f32 or bool [..., R] -> int32 [..., k]: each row's columns > 0 in order,
     padded with R (only the LM head computes the padding). k (`_compiled_widths`' K) must
     hold the most any row has."""
     width = weights.shape[-1]

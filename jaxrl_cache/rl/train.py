@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from optax import tree_utils as otu
 
 from jaxrl_cache.checks import as_real
+from jaxrl_cache.distribution import excludes_tokens
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.lora import (LoraConfig, attach as attach_adapters, check_adapters,
@@ -188,14 +189,16 @@ def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: 
                      entropy: bool = False):
     """Log-probs [B, R] of each scored position's target, 0 elsewhere (clamped at -1e4: a
     token outside a new top-k/top-p set gets ratio ~0, not NaN); entropy: (log-probs,
-    entropies [B, R] of the warped distribution, no gradient)."""
+    entropies [B, R] of the warped distribution, differentiated when cfg.entropy_coef > 0)."""
     out = token_log_probs(_compute_params(_model(params, frozen), cfg), config, mb.tokens,
                           mb.targets, knobs, kind=kind, positions=mb.positions,
                           segments=mb.segments, parents=mb.parents,
                           kv_blocks=mb.kv_blocks, items=mb.items, columns=mb.columns,
                           sources=mb.sources,
                           remat=cfg.remat,
-                          chunk=cfg.logprob_chunk, scored=mb.scored, entropy=entropy)
+                          chunk=cfg.logprob_chunk, scored=mb.scored,
+                          entropy=("grad" if cfg.entropy_coef > 0 else "metric") if entropy
+                          else None)
     return (jnp.maximum(out[0], -1e4), out[1]) if entropy else jnp.maximum(out, -1e4)
 
 
@@ -218,7 +221,8 @@ def _micro_loss(params, frozen, config, mb: PackedBatch, proximal, ref, knobs, k
                 nums, cfg: TrainConfig):
     """(the micro-batch's loss, its metric sums): the policy loss (rl/loss.py) and the audit
     of the tokens these very params sampled (rl/audit.py), on one forward's log-probs, and
-    the entropy sum over the sampled tokens (a health metric).
+    the entropy sum over the trained tokens (a health metric; with cfg.entropy_coef > 0 also
+    the loss's entropy bonus).
 
     Entropy is taken here, not in the sampler: this forward already has each chunk's warped
     logits, so it costs one fused reduction and no host traffic, and it leaves the decode
@@ -226,9 +230,11 @@ def _micro_loss(params, frozen, config, mb: PackedBatch, proximal, ref, knobs, k
     the trainer's distribution at each sampled token; in the first update of a synchronous
     step those are the very params that sampled them."""
     logp, entropy = _micro_log_probs(params, frozen, config, mb, knobs, kind, cfg, entropy=True)
-    loss, sums = policy_loss(logp, mb.behavior, mb.weights, mb.advantages, mb.versions,
-                             version, proximal=proximal, ref=ref, nums=nums,
-                             correction=cfg.correction)
+    loss, sums = policy_loss(
+        logp, mb.behavior, mb.weights, mb.advantages, mb.versions, version, proximal=proximal,
+        ref=ref, nums=nums, correction=cfg.correction,
+        segments=mb.segments if cfg.importance_sampling_level == "sequence" else None,
+        entropy=entropy if cfg.entropy_coef > 0 else None)
     audit = step_audit_sums(jax.lax.stop_gradient(logp), mb.behavior, mb.audited > 0,
                             mb.versions, version)
     return loss, {**sums, **audit, "entropy": jnp.where(mb.weights > 0, entropy, 0.0).sum()}
@@ -265,7 +271,7 @@ def _gradients(params, frozen, config, part: PackedBatch, proximal, ref, knobs, 
 
         # a micro-batch of padding alone (the plan reserves room the sampled lengths did
         # not take: rl/packing.py) adds exact zeros: skipped
-        g, l, s = jax.lax.cond(jnp.any(mb.weights > 0), run,
+        g, l, s = jax.lax.cond(jnp.any((mb.weights > 0) | (mb.audited > 0)), run,
                                lambda _: (zeros, jnp.float32(0), sums0), None)
         sums = {k: jnp.maximum(sums[k], v) if k in _MAXED else sums[k] + v
                 for k, v in s.items()}
@@ -283,6 +289,8 @@ def _update(params, opt_state, frozen, version, part: PackedBatch, proximal, ref
     record; otherwise params and optimizer state pass through unchanged. The choice is a
     `lax.cond`, so the update runs in place in donated buffers (a select between old and new
     state would keep both live)."""
+    if cfg.entropy_coef > 0:  # the entropy bonus is a token mean over the mini-batch
+        nums = dict(nums, entropy_norm=1.0 / jnp.maximum(jnp.sum(part.weights > 0), 1))
     grads, loss, sums = _gradients(params, frozen, config, part, proximal, ref, knobs, kind,
                                    version, nums, cfg)
     grad_norm = optax.tree.norm(grads)
@@ -341,12 +349,22 @@ def _train_core(params, opt_state, frozen, version, packed: PackedBatch, proxima
     return new_params, new_opt, jnp.where(ok, new_version, version), metrics, finite, attributed
 
 
+def step_numbers(cfg: TrainConfig) -> dict:
+    """The config's traced numbers (rl/loss.py's nums): new values compile nothing."""
+    return dict(clip_eps=jnp.float32(cfg.clip_eps), clip_high=jnp.float32(cfg.clip_high),
+                is_cap=jnp.float32(cfg.is_cap), kl_beta=jnp.float32(cfg.kl_beta),
+                entropy_coef=jnp.float32(cfg.entropy_coef),
+                dual_clip=None if cfg.dual_clip is None else jnp.float32(cfg.dual_clip))
+
+
 def _structure(cfg: TrainConfig) -> TrainConfig:
     """The part of a config that shapes the program (numbers are traced: new values compile
     nothing)."""
     return dataclasses.replace(cfg, clip_eps=0.2, is_cap=2.0, kl_beta=float(cfg.kl_beta > 0),
                                dual_clip=None if cfg.dual_clip is None else 2.0,
-                               max_policy_lag=None, donate=False)
+                               epsilon_high=None, entropy_coef=float(cfg.entropy_coef > 0),
+                               mask_truncated_completions=False, max_policy_lag=None,
+                               donate=False)
 
 
 _STATIC = ("tx", "config", "kind", "cfg")
@@ -424,9 +442,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
             proximal = _score(state.params, state.frozen, packed, knobs, **statics)
         if cfg.kl_beta > 0:
             ref = _score(ref_params, None, packed, knobs, **statics)
-        nums = dict(clip_eps=jnp.float32(cfg.clip_eps), is_cap=jnp.float32(cfg.is_cap),
-                    kl_beta=jnp.float32(cfg.kl_beta),
-                    dual_clip=None if cfg.dual_clip is None else jnp.float32(cfg.dual_clip))
+        nums = step_numbers(cfg)
         core = _train_jit_donating if cfg.donate else _train_jit
         tolerance = jnp.float32(np.inf if audit_tolerance is None else audit_tolerance)
         params, opt_state, new_version, metrics, finite, attributed = core(
@@ -465,10 +481,12 @@ def _checked_arguments(state, batch, config, options: dict, ref_params, audit_to
     cfg = dataclasses.replace(config or TrainConfig(), **options)
     if cfg.kl_beta > 0 and ref_params is None:
         raise ValueError("kl_beta > 0 needs ref_params (the reference policy)")
-    if cfg.kl_beta > 0 and knobs_of(batch.sampling, state.config.vocab_size)[1] != "none":
-        raise ValueError("kl_beta > 0 with top-k / top-p sampling: the reference scores a "
-                         "token outside its own top-k / top-p set at -inf, so the k3 KL is "
-                         "infinite; sample without top_k / top_p or set kl_beta=0")
+    if cfg.kl_beta > 0 and excludes_tokens(knobs_of(batch.sampling,
+                                                    state.config.vocab_size)[1]):
+        raise ValueError("kl_beta > 0 with top-k / top-p sampling (or min-p): the reference "
+                         "scores a token outside its own top-k / top-p / min-p set at -inf, "
+                         "so the k3 KL is infinite; sample without top_k / top_p / min_p or "
+                         "set kl_beta=0")
     version = as_version(state.version, "state.version")
     if version > MAX_VERSION - cfg.updates:
         raise VersionError(f"state.version {version} + {cfg.updates} updates would pass the "

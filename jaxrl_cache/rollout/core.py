@@ -54,8 +54,8 @@ def row_keys(key, sample_index, emitted):
                    donate_argnames=("kv_cache",))
 def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, page_table,
                  shared_pages, budget, sample_index, emitted, stop_ids, refill_at, temperature,
-                 top_p, top_k, key, *, config: ModelConfig, backend: str, steps: int,
-                 mesh=None):
+                 top_p, top_k, min_p, repetition_penalty, key, presence=None, *,
+                 config: ModelConfig, backend: str, steps: int, mesh=None):
     """Runs up to `steps` decode steps for every slot on device (one lax.while_loop).
 
     fresh_logits f32 [B, V] prefill logits of fresh slots; fresh bool [B]; last_token,
@@ -63,8 +63,11 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
     shared_pages int32 [S] (pages common to every row, cut from the table); budget int32 [B]
     tokens a slot may still emit (0 = empty); sample_index, emitted int32 [B] (PRNG streams);
     stop_ids int32 [K] (-1 = none); mesh: run the forward tensor-parallel (params laid out by
-    parallel.rollout_shardings, pool by parallel.engine_kv_cache); refill_at int32 []: stop early once this many slots have
-    finished in this chunk (the host has samples waiting for slots).
+    parallel.rollout_shardings, pool by parallel.engine_kv_cache); refill_at int32 []: stop
+    early once this many slots have finished in this chunk (the host has samples waiting for
+    slots); temperature ... repetition_penalty: the traced sampling knobs; presence bool
+    [B, V]: each row's context tokens (prompt and output so far), updated with every token
+    drawn, or None: no repetition penalty (static).
     Returns (tokens int32 [B, steps], logprobs f32 [B, steps], counts int32 [B],
     stopped bool [B], steps_run int32 [], kv_cache').
     """
@@ -73,12 +76,12 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
     forward_fn = _on_mesh(family_of(config).decoder.decode_forward, mesh)
 
     def cond(state):
-        step, done = state[0], state[7]
+        step, done = state[0], state[7]  # state[9]: presence
         finished_now = jnp.sum(done & live0)
         return (step < steps) & ~jnp.all(done) & (finished_now < refill_at)
 
     def body(state):
-        step, kv, last, pos, out_tok, out_logp, counts, done, stopped = state
+        step, kv, last, pos, out_tok, out_logp, counts, done, stopped, seen = state
         live = ~done
         first = live & fresh & (step == 0)
         forward = live & ~first
@@ -86,7 +89,10 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
                                 page_table, shared_pages, backend=backend)
         logits = jnp.where(first[:, None], fresh_logits, logits)
         keys = row_keys(key, sample_index, emitted + counts)
-        tok, logp = sample_tokens(logits, keys, temperature, top_p, top_k)
+        tok, logp = sample_tokens(logits, keys, temperature, top_p, top_k, min_p,
+                                  repetition_penalty, seen)
+        if seen is not None:
+            seen = seen.at[jnp.arange(batch), tok].max(live)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
         out_logp = out_logp.at[:, step].set(jnp.where(live, logp, 0.0))
         counts = counts + live
@@ -94,12 +100,12 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
         stopped = stopped | stop_now
         done = done | stop_now | (counts >= budget)
         return (step + 1, kv, jnp.where(live, tok, last), pos + forward, out_tok, out_logp,
-                counts, done, stopped)
+                counts, done, stopped, seen)
 
     zeros = jnp.zeros((batch, steps), jnp.int32)
     state = (jnp.int32(0), kv_cache, last_token, position, zeros,
              jnp.zeros((batch, steps), jnp.float32), jnp.zeros(batch, jnp.int32), ~live0,
-             jnp.zeros(batch, bool))
-    step, kv_cache, _, _, out_tok, out_logp, counts, _, stopped, = jax.lax.while_loop(
+             jnp.zeros(batch, bool), presence)
+    step, kv_cache, _, _, out_tok, out_logp, counts, _, stopped, _ = jax.lax.while_loop(
         cond, body, state)
     return out_tok, out_logp, counts, stopped, step, kv_cache

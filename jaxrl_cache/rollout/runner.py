@@ -163,6 +163,16 @@ def pack_decode(slots: list, width: int, shared: int = 0) -> DecodeArrays:
                         emitted)
 
 
+def context_presence(slots: list, vocab: int) -> np.ndarray:
+    """bool [len(slots), vocab]: the tokens of each decoding row's context (prompt and output
+    so far; the repetition penalty's presence), False for empty slots."""
+    out = np.zeros((len(slots), vocab), bool)
+    for i, row in enumerate(slots):
+        if row is not None and not row.resume:
+            out[i, list(row.context)] = True
+    return out
+
+
 def _resize_rows(x, rows: int):
     """x [B, V] cut or zero-padded to [rows, V] (decode slots beyond B are empty)."""
     if x.shape[0] >= rows:
@@ -316,7 +326,9 @@ class Runner:
             arrays.last_token, arrays.position, arrays.page_table, arrays.shared_pages,
             arrays.budget,
             arrays.sample_index, arrays.emitted, run.stops, np.int32(refill_at),
-            **run.knobs, key=run.rng, config=self.model_config, backend=self.backend,
+            **run.knobs, key=run.rng,
+            presence=context_presence(slots, self.model_config.vocab_size) if run.penalised
+            else None, config=self.model_config, backend=self.backend,
             steps=cfg.chunk_steps, mesh=self.mesh)
         *host, self.kv = out
         tokens, logprobs, counts, stopped, steps = jax.device_get(host)

@@ -2,7 +2,8 @@
 
 `output_logprobs` record log-probabilities under the distribution actually sampled from
 (jaxrl_cache/distribution.py, the formula the trainer and the audit recompute them with):
-logits / temperature, restricted to the top_k tokens and the top_p nucleus, renormalised.
+the logits with the repetition penalty on the context's tokens, / temperature, restricted to
+the top_k tokens, the top_p nucleus and the min_p set, renormalised.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # keep tokens with p >= min_p x the likeliest's (after top-k/top-p)
+    repetition_penalty: float = 1.0  # > 0; the context's tokens' logits / (or x, if < 0) it
     stop_token_ids: tuple[int, ...] = ()
     # Stop strings (rollout/text.py; the engine needs a tokenizer): a sample ends at the
     # output token whose decoded text first contains one. Its tokens keep that token (what
@@ -34,15 +37,19 @@ class SamplingParams:
     def __post_init__(self):
         """Checks and normalises every knob (numpy scalars become Python numbers): integers
         must be real integers (not bools, not 2.5), reals finite; top_k fits an int32 (any
-        top_k >= the vocabulary keeps every token). Stop ids must be a sequence
-        of non-negative integers; the engine checks them against its vocabulary. Stop strings
-        must be a sequence (not a bare str) of non-empty strings."""
+        top_k >= the vocabulary keeps every token); min_p in [0, 1]; repetition_penalty > 0.
+        Stop ids must be a sequence of non-negative integers; the engine checks them against
+        its vocabulary. Stop strings must be a sequence (not a bare str) of non-empty
+        strings."""
         norm = dict(n=as_count(self.n, "n", minimum=1),
                     max_new_tokens=as_count(self.max_new_tokens, "max_new_tokens", minimum=1),
                     temperature=as_real(self.temperature, "temperature", minimum=0.0),
                     top_p=as_real(self.top_p, "top_p", minimum=0.0, maximum=1.0,
                                   open_min=True),
-                    top_k=as_count(self.top_k, "top_k", maximum=2**31 - 1))
+                    top_k=as_count(self.top_k, "top_k", maximum=2**31 - 1),
+                    min_p=as_real(self.min_p, "min_p", minimum=0.0, maximum=1.0),
+                    repetition_penalty=as_real(self.repetition_penalty, "repetition_penalty",
+                                               minimum=0.0, open_min=True))
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got "
@@ -66,9 +73,11 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def as_arrays(self) -> dict:
-        """Traced knobs: changing them never recompiles."""
+        """Traced knobs: changing them never recompiles (a repetition penalty of 1 or not
+        is static: only a penalised setting tracks the context's tokens)."""
         return dict(temperature=jnp.float32(self.temperature), top_p=jnp.float32(self.top_p),
-                    top_k=jnp.int32(self.top_k))
+                    top_k=jnp.int32(self.top_k), min_p=jnp.float32(self.min_p),
+                    repetition_penalty=jnp.float32(self.repetition_penalty))
 
 
 DRAW_BLOCK = 128  # vocabulary block of the two-level inverse CDF
@@ -108,11 +117,15 @@ def _draw(warped, keys):
     return (block * DRAW_BLOCK + within).astype(jnp.int32)
 
 
-def sample_tokens(logits, keys, temperature, top_p, top_k):
+def sample_tokens(logits, keys, temperature, top_p, top_k, min_p=0.0, repetition_penalty=1.0,
+                  presence=None):
     """logits f32 [B, V], keys [B] (one PRNG key per row) -> (tokens int32 [B],
     behavior logprobs f32 [B]). Per-row keys make a row's draw independent of its batch;
-    a draw depends only on its key (one uniform, `_draw`)."""
-    warped = warped_at_run_time(logits, temperature, top_p, top_k)
+    a draw depends only on its key (one uniform, `_draw`). presence bool [B, V]: each row's
+    context tokens (the repetition penalty's), or None (no penalty). Greedy takes the argmax
+    of the penalised logits (the warp at temperature 0 is exactly them)."""
+    warped = warped_at_run_time(logits, temperature, top_p, top_k, min_p, repetition_penalty,
+                                presence)
     drawn = _draw(warped, keys)
-    tokens = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    tokens = jnp.where(temperature <= 0, jnp.argmax(warped, axis=-1), drawn).astype(jnp.int32)
     return tokens, log_probs_at(warped, tokens)

@@ -209,6 +209,7 @@ class Run:
                              np.int32)  # int32 [K] stop ids, -1 padded
         self.stops[:len(sampling.stop_token_ids)] = sampling.stop_token_ids
         self.knobs = sampling.as_arrays()
+        self.penalised = sampling.repetition_penalty != 1  # decode tracks context tokens
         self.fresh_logits = None  # f32 [B', V] logits of the last prefill (runner.py)
         self.text = text  # text.RowText: decoded outputs, stop strings (None: ids only)
 
