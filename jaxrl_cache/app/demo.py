@@ -65,7 +65,8 @@ from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.sinks import Sinks, make_sinks
 from jaxrl_cache.rl.health import SpreadWatch
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.memory import available_bytes, check_memory, estimate_step_bytes
+from jaxrl_cache.rl.memory import (available_bytes, check_memory, estimate_step_bytes,
+                                    trim_host_memory)
 from jaxrl_cache.rl.rewards import RewardFn, Rewards, load_reward
 from jaxrl_cache.rl.train import TrainState, make_optimizer
 from jaxrl_cache.rl.train_config import TrainConfig
@@ -540,7 +541,12 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     state, rows, stop, buffer_metrics = _grpo_loop(
         opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step,
         evaluate=evaluate)
+    # checkpointed: the eval and the export need the params alone (the peak of a run's end)
+    state, loaded.ref_params = state.replace(opt_state=None), None
+    trim_host_memory()
     rl_exact = None if stop.requested or evaluate is None else evaluate(state)["exact_match"]
+    engine.release_weights(drop_kv=True)
+    trim_host_memory()
     exported = _export(run, loaded, state)
     warm_started = _sft_steps(opts) > 0
     title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"

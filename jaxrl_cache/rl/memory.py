@@ -8,6 +8,7 @@ base once plus the adapters' params, gradients and Adam state; the activations a
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
@@ -90,6 +91,24 @@ def available_bytes() -> int | None:
         return int(meminfo["MemAvailable"].split()[0]) * 1024 + rss
     except (OSError, KeyError, ValueError):
         return None
+
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_host_memory() -> None:
+    """Returns the free pages of this process's heap to the OS (glibc's malloc_trim; a no-op
+    elsewhere). What a phase freed (a rollout's KV pool and transposes, a save's buffers)
+    otherwise stays resident, and the next phase's peak lands on top of it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 # remat "auto": "dots" (no recomputed forward of the weight matmuls) when its estimate takes
