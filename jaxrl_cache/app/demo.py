@@ -66,7 +66,7 @@ from jaxrl_cache.rl.sinks import Sinks, make_sinks
 from jaxrl_cache.rl.health import SpreadWatch
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
 from jaxrl_cache.rl.memory import (available_bytes, check_memory, estimate_step_bytes,
-                                    trim_host_memory)
+                                    trim_after_compiles, trim_host_memory)
 from jaxrl_cache.rl.rewards import RewardFn, Rewards, load_reward
 from jaxrl_cache.rl.train import TrainState, make_optimizer
 from jaxrl_cache.rl.train_config import TrainConfig
@@ -481,6 +481,7 @@ def run_demo(opts: DemoOptions, *, given=None) -> dict:
     option names the caller set explicitly (the CLI: flags and --config); a --resume refuses
     those that differ from the run's (None: the options that differ from their defaults)."""
     t_start = time.perf_counter()
+    trim_after_compiles()  # the peak of a step that compiles: its run, not compile + run
     with _kernels(opts.kernels):  # before anything traces
         opts, run, record, task, layout = _prepare(opts, given)
         return _run_prepared(opts, run, record, task, layout, t_start)
