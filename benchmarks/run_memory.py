@@ -134,7 +134,7 @@ def markdown(runs: list[dict]) -> str:
         out.append(f"| {r['variant']} | {r.get('label', '')} | {r['shape']} | {r['steps']} | "
                    f"**{r['peak_rss_mib'] / 1024:.2f}** | {r['peak_phase']} | {gib('load')} | "
                    f"{gib('step')} | {gib('eval after')} | "
-                   f"{pp[ckpts[-1]] / 1024 if ckpts else 0:.2f} | {gib('export')} | "
+                   f"{f'{pp[ckpts[-1]] / 1024:.2f}' if ckpts else '-'} | {gib('export')} | "
                    f"{r['rc']} |")
     return "\n".join(out) + "\n"
 
