@@ -794,3 +794,23 @@ def test_widths_are_one_compiled_tuple():
                   known={(width, micro, rows): seen})
     assert packed.tokens.shape == first.tokens.shape
     assert widths(packed) == (k + 64, km, n, w)  # the one with fewer distinct-token rows
+
+
+def test_trim_after_compiles_registers_once_and_trims_after_long_compiles(monkeypatch):
+    """The listener is registered once however often it is asked for; it trims the heap
+    after a compile of TRIM_AFTER_COMPILE_SECONDS or more, not after a short one or another
+    event."""
+    from jax._src import monitoring
+    trims = []
+    monkeypatch.setattr(memory, "trim_host_memory", lambda: trims.append(1))
+    memory.trim_after_compiles()
+    memory.trim_after_compiles()
+    assert monitoring._event_duration_secs_listeners.count(memory._trim_after_compile) == 1
+    long = memory.TRIM_AFTER_COMPILE_SECONDS
+    jax.monitoring.record_event_duration_secs(memory.COMPILE_EVENT, long / 10)
+    jax.monitoring.record_event_duration_secs("/jax/other", long)
+    assert trims == []
+    jax.monitoring.record_event_duration_secs(memory.COMPILE_EVENT, long)
+    assert trims == [1]
+    monkeypatch.undo()
+    memory.trim_host_memory()  # the real one: malloc_trim on glibc, a no-op elsewhere

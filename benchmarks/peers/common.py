@@ -9,6 +9,7 @@ import pathlib
 import re
 import resource
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "/root/.cache/jaxrl_cache/SmolLM2-135M-Instruct"
@@ -70,3 +71,22 @@ def emit(**row) -> None:
     """One JSON line on stdout, prefixed so the parent can find it among library output."""
     print("STEP " + json.dumps(row), flush=True)
     sys.stdout.flush()
+
+
+def phase(name: str, edge: str) -> None:
+    """A `PHASE {json}` line on stderr: `edge` ("start" / "end") of phase `name` at this wall
+    time (benchmarks/run_memory.py lays them over its RSS trace)."""
+    print("PHASE " + json.dumps(dict(name=name, edge=edge, t=time.time())), file=sys.stderr,
+          flush=True)
+
+
+def phased(name, fn):
+    """`fn` wrapped in phase lines; `name` a string or a function of fn's arguments."""
+    def wrapped(*a, **kw):
+        label = name(*a, **kw) if callable(name) else name
+        phase(label, "start")
+        try:
+            return fn(*a, **kw)
+        finally:
+            phase(label, "end")
+    return wrapped

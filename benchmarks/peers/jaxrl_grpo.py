@@ -1,6 +1,7 @@
 """GRPO with this library through the path users run: `jaxrl-cache grpo --model ... --dataset
 ...` (the CLI, chat template on, default settings), in this process so each step's compiles
-are counted. One `STEP {json}` line per GRPO step (the demo's own metrics row).
+are counted. One `STEP {json}` line per GRPO step (the demo's own metrics row), and `PHASE
+{json}` lines on stderr around its phases (load, each eval, step and checkpoint, export).
 
     .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8 --shape 2x8x24
     .venv/bin/python benchmarks/peers/jaxrl_grpo.py --steps 8 --shape 2x8x24 \
@@ -47,8 +48,10 @@ def main() -> None:
     logging.getLogger("jax").addHandler(compiles)
     logging.getLogger("jax").propagate = False
     grpo_step = demo.grpo_step
+    steps_run = []
 
     def timed_step(step, *a, **kw):  # the demo's own step, its record re-emitted
+        steps_run.append(step)
         before = len(compiles.names)
         result = grpo_step(step, *a, **kw)
         r = result.record
@@ -62,7 +65,13 @@ def main() -> None:
                     peak_rss_mib=common.peak_rss_mib())
         return result
 
-    demo.grpo_step = timed_step
+    demo.grpo_step = common.phased(lambda step, *a, **kw: f"step {step}", timed_step)
+    demo._load_policy = common.phased("load", demo._load_policy)
+    demo._evaluate = common.phased(lambda *a, **kw: "eval after" if steps_run
+                                   else "eval before", demo._evaluate)
+    demo.save_checkpoint = common.phased(lambda d, state, **kw: f"checkpoint "
+                                         f"{int(state.version)}", demo.save_checkpoint)
+    demo._export = common.phased("export", demo._export)
     out = tempfile.mkdtemp(prefix="jaxrl_grpo_")
     argv = ["grpo", "--model", common.MODEL, "--dataset", str(common.TASK),
             "--answer-regex", r"(-?\d+)", "--steps", str(args.steps),

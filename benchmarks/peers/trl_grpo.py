@@ -3,7 +3,10 @@ of common.py. One `STEP {json}` line per optimizer step. Benchmark-only dependen
 
     /work/torchvenv/bin/pip install trl datasets     # keep torch as it is (pip list | grep torch)
     /work/torchvenv/bin/python benchmarks/peers/trl_grpo.py --steps 8 --threads 1 \
-        [--shape 2x8x24] [--bf16] [--no-gradient-checkpointing]
+        [--shape 2x8x24] [--bf16] [--no-gradient-checkpointing] [--save]
+
+`PHASE {json}` lines on stderr around the model load, each step and (--save) the final
+`trainer.save_model`, the analogue of this library's export.
 
 Prompts are conversational (common.messages), so TRL applies the model's chat template, as
 the CLI of this library does. --bf16: HF Trainer's bf16 (autocast on CPU: AMX matmuls).
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +38,7 @@ class StepTimer(TrainerCallback):
         self.box, self.t0, self.gen, self.rewards = trainer_box, 0.0, 0.0, []
 
     def on_step_begin(self, args, state, control, **kw):
+        common.phase(f"step {state.global_step}", "start")
         self.t0, self.gen, self.rewards = time.perf_counter(), 0.0, []
 
     def on_step_end(self, args, state, control, **kw):
@@ -42,6 +47,7 @@ class StepTimer(TrainerCallback):
                     update_seconds=seconds - self.gen,
                     reward=sum(self.rewards) / max(len(self.rewards), 1),
                     samples=len(self.rewards), peak_rss_mib=common.peak_rss_mib())
+        common.phase(f"step {state.global_step - 1}", "end")
 
 
 def main() -> None:
@@ -51,6 +57,7 @@ def main() -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--shape", default=common.SHAPES[0], help="prompts x group x new tokens")
+    p.add_argument("--save", action="store_true", help="trainer.save_model() after training")
     args = p.parse_args()
     common.set_shape(args.shape)
     torch.set_num_threads(args.threads)
@@ -66,8 +73,9 @@ def main() -> None:
         return out
 
     batch = common.PROMPTS_PER_STEP * common.GROUP
+    out = tempfile.mkdtemp(prefix="trl_grpo_")
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_grpo_"), max_steps=args.steps,
+        output_dir=out, max_steps=args.steps,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         generation_batch_size=batch, num_generations=common.GROUP,
         max_completion_length=common.MAX_NEW_TOKENS, temperature=common.TEMPERATURE,
@@ -76,8 +84,10 @@ def main() -> None:
         gradient_checkpointing=not args.no_gradient_checkpointing, use_cpu=True, bf16=args.bf16,
         logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
         seed=common.SEED, model_init_kwargs={"dtype": torch.float32})
+    common.phase("load", "start")
     trainer = GRPOTrainer(model=common.MODEL, reward_funcs=reward, args=config,
                           train_dataset=data, callbacks=[timer])
+    common.phase("load", "end")
     generate = trainer._generate_and_score_completions
 
     def timed_generate(*a, **kw):
@@ -90,7 +100,12 @@ def main() -> None:
     print(f"torch {torch.__version__} threads {torch.get_num_threads()}; gradient "
           f"checkpointing {config.gradient_checkpointing}; bf16 {config.bf16}; optim "
           f"{config.optim}; shape {args.shape}", file=sys.stderr)
-    trainer.train()
+    try:
+        trainer.train()
+        if args.save:
+            common.phased("export", trainer.save_model)()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ from jaxrl_cache.rl.sft import pack_completions, sft_step
 from jaxrl_cache.rl.sinks import Sinks, make_sinks
 from jaxrl_cache.rl.health import SpreadWatch
 from jaxrl_cache.rl.loop import AsyncRollouts, PolicyHistory, SyncRollouts, grpo_step
-from jaxrl_cache.rl.memory import available_bytes, check_memory, estimate_step_bytes
+from jaxrl_cache.rl.memory import (available_bytes, check_memory, estimate_step_bytes,
+                                    trim_after_compiles, trim_host_memory)
 from jaxrl_cache.rl.rewards import RewardFn, Rewards, load_reward
 from jaxrl_cache.rl.train import TrainState, make_optimizer
 from jaxrl_cache.rl.train_config import TrainConfig
@@ -481,6 +482,7 @@ def run_demo(opts: DemoOptions, *, given=None) -> dict:
     option names the caller set explicitly (the CLI: flags and --config); a --resume refuses
     those that differ from the run's (None: the options that differ from their defaults)."""
     t_start = time.perf_counter()
+    trim_after_compiles()  # the peak of a step that compiles: its run, not compile + run
     with _kernels(opts.kernels):  # before anything traces
         opts, run, record, task, layout = _prepare(opts, given)
         return _run_prepared(opts, run, record, task, layout, t_start)
@@ -541,7 +543,12 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     state, rows, stop, buffer_metrics = _grpo_loop(
         opts, run, source, loaded, rollouts, PolicyHistory(lag), train, start_step,
         evaluate=evaluate)
+    # checkpointed: the eval and the export need the params alone (the peak of a run's end)
+    state, loaded.ref_params = state.replace(opt_state=None), None
+    trim_host_memory()
     rl_exact = None if stop.requested or evaluate is None else evaluate(state)["exact_match"]
+    engine.release_weights(drop_kv=True)
+    trim_host_memory()
     exported = _export(run, loaded, state)
     warm_started = _sft_steps(opts) > 0
     title = f"jaxrl_cache demo: {'SFT -> ' if warm_started else ''}GRPO on {task.name}"

@@ -28,12 +28,12 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.families import ARCHITECTURES, family_for_architecture, family_of, \
@@ -44,6 +44,7 @@ from jaxrl_cache.models.hf_config import (COMMON_FIELDS, DTYPES, INERT_FIELDS, O
 from jaxrl_cache.models.lora import ADAPTERS, SCALE
 
 _FLOAT_HEADER_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+_HEADER_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # other weight formats transformers or vLLM may load from a directory (save_pretrained refuses
@@ -244,8 +245,10 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
     """Writes a Hugging Face directory transformers (and vLLM) load as the same model.
 
     config.json, model.safetensors (or model-0000i-of-0000n.safetensors shards with
-    model.safetensors.index.json past max_shard_bytes), in config.dtype; with a `Tokenizer`
-    also its files and generation_config.json (bos/eos/stop ids). Returns the directory.
+    model.safetensors.index.json past max_shard_bytes), in config.dtype, written one tensor at
+    a time (host memory: the params, on one device not copied, plus one tensor); with a
+    `Tokenizer` also its files and generation_config.json (bos/eos/stop ids). Returns the
+    directory.
     An existing directory may be written again: weight files of an earlier save that this
     one does not rewrite (its single file, index or shards) are removed once the new ones
     are written, so exactly one set remains; other files are left as they are. Weights in
@@ -268,30 +271,35 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
                          "lora.merged(params), or save the adapters with save_peft_adapter")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(config_json)
-    shapes = _param_shapes(config)
-    np_dtype = DTYPES[config.dtype]
-    host = jax.tree.map(np.asarray, params)
-    shards: list[dict] = [{}]
+    np_dtype = np.dtype(DTYPES[config.dtype])
+    host = jax.tree.map(np.asarray, params)  # one device: views of the arrays, no copy
+    shards: list[list] = [[]]  # [(HF name, its shape, where in `host`, transposed)]
     size = 0
-    for ours, hf, t in _hf_names(config, shapes):
+    for ours, hf, t in _hf_names(config, _param_shapes(config)):
         array = host[ours[0]] if len(ours) == 1 else host["layers"][ours[1]][ours[2]]
-        array = np.ascontiguousarray((array.T if t else array).astype(np_dtype))
-        if size and size + array.nbytes > max_shard_bytes:
-            shards.append({})
+        nbytes = array.size * np_dtype.itemsize
+        if size and size + nbytes > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][hf] = array
-        size += array.nbytes
+        shards[-1].append((hf, array.shape[::-1] if t else array.shape, ours, t))
+        size += nbytes
+
+    def tensor(ours, t) -> np.ndarray:  # one HF tensor at a time (a copy if transposed)
+        array = host[ours[0]] if len(ours) == 1 else host["layers"][ours[1]][ours[2]]
+        return np.ascontiguousarray((array.T if t else array).astype(np_dtype, copy=False))
+
     metadata = {"format": "pt"}  # transformers requires the pt format tag
     if len(shards) == 1:
         written = {SINGLE_FILE}
-        save_file(shards[0], path / SINGLE_FILE, metadata=metadata)
+        _write_safetensors(path / SINGLE_FILE, shards[0], tensor, np_dtype, metadata)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / name, metadata=metadata)
-            weight_map.update({hf: name for hf in shard})
-        total = sum(a.nbytes for shard in shards for a in shard.values())
+            _write_safetensors(path / name, shard, tensor, np_dtype, metadata)
+            weight_map.update({hf: name for hf, *_ in shard})
+        total = sum(int(np.prod(shape)) * np_dtype.itemsize
+                    for shard in shards for _, shape, *_ in shard)
         (path / INDEX_FILE).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written = {INDEX_FILE, *weight_map.values()}
@@ -305,3 +313,22 @@ def save_pretrained(path, config: ModelConfig, params, *, tokenizer=None,
                           eos_token_id=stop[0] if len(stop) == 1 else stop)
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
+
+
+def _write_safetensors(file: pathlib.Path, entries: list, tensor, dtype: np.dtype,
+                       metadata: dict) -> None:
+    """A safetensors file of `entries` [(name, shape, *key)], written tensor by tensor:
+    `tensor(*key)` gives each one's C-contiguous array, so the host holds one at a time (not
+    a copy of them all, as safetensors' save_file does)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, shape, *_ in entries:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        header[name] = dict(dtype=_HEADER_DTYPES[dtype.name], shape=list(shape),
+                            data_offsets=[offset, offset + nbytes])
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, shape, *key in entries:
+            f.write(memoryview(tensor(*key).reshape(-1).view(np.uint8)))

@@ -209,15 +209,24 @@ def _claim(path: pathlib.Path) -> None:
                               f"writer (one writer per checkpoint directory)") from None
 
 
+SAVE_CONCURRENT_GB = 1  # a save writes at most this many GB of arrays at once
+
+
 def _manager(path: pathlib.Path, max_to_keep: int | None = None, *,
              writer: bool = False) -> ocp.CheckpointManager:
     """The writer (it holds the lock) removes temporary directories of its own killed saves
-    and prunes to max_to_keep; readers are read-only."""
+    and prunes to max_to_keep; readers are read-only. The writer stores arrays uncompressed,
+    SAVE_CONCURRENT_GB at a time: orbax's default (zstd, everything in flight at once) holds
+    the encoded state beside it until the save ends, about one more copy of the state."""
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
                                            enable_async_checkpointing=False,
                                            cleanup_tmp_directories=writer,
                                            read_only=not writer)
-    return ocp.CheckpointManager(path, options=options, item_names=("state", "meta"))
+    handlers = dict(state=ocp.PyTreeCheckpointHandler(
+        save_concurrent_gb=SAVE_CONCURRENT_GB, use_compression=False),
+        meta=ocp.JsonCheckpointHandler()) if writer else None
+    return ocp.CheckpointManager(path, options=options, item_names=("state", "meta"),
+                                 item_handlers=handlers)
 
 
 def _reader(path: pathlib.Path) -> ocp.CheckpointManager:
@@ -269,7 +278,7 @@ def save_checkpoint(directory, state: TrainState, *, max_to_keep: int = 3) -> pa
         try:
             with deferred_signals():  # Ctrl-C lands after the step is finalized
                 mngr.save(version, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)))
+                    state=ocp.args.PyTreeSave(payload), meta=ocp.args.JsonSave(meta)))
                 mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax raises many types
             # the failed save can leave orbax's write coroutines unawaited; the error below
@@ -307,16 +316,10 @@ def _leaf_groups(leaves: list) -> list[list[int]]:
     return groups
 
 
-def _restore_args(leaf):
-    sharding = getattr(leaf, "sharding", None)
-    return ocp.RestoreArgs() if sharding is None else ocp.ArrayRestoreArgs(
-        sharding=sharding, global_shape=leaf.shape, dtype=leaf.dtype)
-
-
 def _stored_digest(path: pathlib.Path, step: int, template: dict) -> str:
-    """`_digest` of a step's stored arrays, read back in groups of leaves (`_leaf_groups`,
-    orbax's placeholder restore), so verifying a save holds one group beside the state
-    instead of a second copy of it. `template`: the payload that was saved."""
+    """`_digest` of a step's stored arrays, read back as numpy in groups of leaves
+    (`_leaf_groups`, orbax's placeholder restore), so verifying a save holds one group beside
+    the state instead of a second copy of it. `template`: the payload that was saved."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
     leaves, treedef = jax.tree.flatten(abstract)
     h = hashlib.blake2b(digest_size=32)
@@ -325,7 +328,7 @@ def _stored_digest(path: pathlib.Path, step: int, template: dict) -> str:
             chosen = set(group)
             item = treedef.unflatten([leaf if i in chosen else ocp.PLACEHOLDER
                                       for i, leaf in enumerate(leaves)])
-            args = jax.tree.map(_restore_args, item)
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
             try:
                 restored = mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(item=item, restore_args=args)))["state"]

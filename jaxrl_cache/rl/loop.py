@@ -33,6 +33,7 @@ from jaxrl_cache.rl.audit import (EXACT_EVIDENCE_TOKENS, AuditGate, audit_step_c
 from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
+from jaxrl_cache.rl.memory import trim_host_memory
 from jaxrl_cache.rl.rewards import Rewards
 from jaxrl_cache.rl.train import AttributionFailure, TrainState, train_step
 from jaxrl_cache.rl.train_config import TrainConfig
@@ -83,6 +84,7 @@ class SyncRollouts:
         # the trainer holds the only copy of the params while it updates, and no KV pool
         # (the next call runs at a newer version: it could reuse none of the cached KV)
         self.engine.release_weights(drop_kv=True)
+        trim_host_memory()  # nor the rollout's freed memory
         return out
 
     def publish(self, state: TrainState) -> WeightAck:
