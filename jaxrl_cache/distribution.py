@@ -45,6 +45,15 @@ def log_normaliser(warped):
     return top[..., 0] + jnp.log(tree_sum(jnp.exp(warped - top), -1))
 
 
+def entropy_of(warped):
+    """warped f32 [..., V] (-inf = excluded) -> entropy of softmax(warped) [...] in nats
+    (excluded tokens contribute 0, with gradient 0). Plain sums, no fixed order needed: no
+    recorded log-prob depends on it."""
+    logq = warped - log_normaliser(warped)[..., None]
+    q = jnp.exp(logq)
+    return -jnp.sum(q * jnp.where(q > 0, logq, 0.0), axis=-1)
+
+
 def log_probs_at(warped, tokens):
     """warped f32 [..., V], tokens int32 [...] -> log-prob of each token under
     softmax(warped) [...]: the one formula behind every recorded and recomputed log-prob."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_cache.models.config import ModelConfig
-from jaxrl_cache.distribution import filter_kind, log_normaliser, log_probs_at, warped_logits
+from jaxrl_cache.distribution import entropy_of, filter_kind, log_probs_at, warped_logits
 from jaxrl_cache.models.families import family_of
 from jaxrl_cache.rollout.sampling import SamplingParams
 from kernels_pallas import kernel_keyed_jit
@@ -119,20 +119,11 @@ def _chunked_log_probs(params, config, x, targets, knobs, kind, chunk, entropy, 
         if not entropy:
             return None, log_probs_at(logits, tc)
         held = logits if entropy == "grad" else jax.lax.stop_gradient(logits)
-        return None, (log_probs_at(logits, tc), _entropy(held))
+        return None, (log_probs_at(logits, tc), entropy_of(held))
 
     _, out = jax.lax.scan(chunk_log_probs, None, (xs, ts, cs))
     unchunk = lambda a: a.swapaxes(0, 1).reshape(batch, steps * width)[:, :length]  # noqa
     return tuple(map(unchunk, out)) if entropy else unchunk(out)
-
-
-def _entropy(warped):
-    """warped f32 [..., V] (-inf = excluded) -> entropy of softmax(warped) [...] in nats
-    (excluded tokens contribute 0, with gradient 0). Plain sums, no fixed order needed: no
-    recorded log-prob depends on it."""
-    logq = warped - log_normaliser(warped)[..., None]
-    q = jnp.exp(logq)
-    return -jnp.sum(q * jnp.where(q > 0, logq, 0.0), axis=-1)
 
 
 def knobs_of(sampling: SamplingParams, vocab: int) -> tuple[dict, str]:
