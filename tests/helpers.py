@@ -99,3 +99,17 @@ def hold_lock(directory):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"held\n"
     return proc
+
+
+def cli_error(argv, capsys) -> str:
+    """The one stderr line of a `jaxrl-cache` run refused with status 2 (argparse's
+    SystemExit or a returned 2): no traceback, nothing after the line."""
+    from jaxrl_cache.app import cli
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err

@@ -25,7 +25,7 @@ from jaxrl_cache.rl.checkpoint import latest_checkpoint_version
 from jaxrl_cache.rl.sft import pack_completions, sft_loss, sft_step
 from jaxrl_cache.app.options import KERNELS
 from kernels_pallas import KERNEL_CHOICES, KERNELS_ENV
-from tests.helpers import hold_lock
+from tests.helpers import cli_error, hold_lock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TASK_FILE = REPO / "examples" / "tasks" / "add.jsonl"
@@ -385,13 +385,7 @@ def test_kill_9_then_resume_loses_at_most_k_steps(tmp_path):
 ])
 def test_cli_bad_flags_give_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --out is relative: never the caller's runs/
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err and "Traceback" not in err
+    assert message in cli_error(argv, capsys)
 
 
 def test_cli_out_is_a_file_and_pool_too_small_give_one_line(tmp_path, capsys):
@@ -434,14 +428,6 @@ def test_cli_help_documents_every_flag(capsys, command):
     assert ("--dataset" in text and "JSONL" in text) == (command == "grpo")
 
 
-def _cli_error(argv, capsys) -> str:
-    """The one stderr line of a CLI run that must fail with rc 2."""
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    return err
-
-
 def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
     """(argv, expected message) of input files the CLI must refuse before touching --out."""
     binary = tmp_path / "latin1.jsonl"
@@ -470,9 +456,9 @@ def test_cli_checks_input_files_before_the_previous_run_in_the_working_directory
     (previous / "metrics.jsonl").write_text('{"step": 0}\n')
     before = sorted(p.name for p in previous.iterdir())
     for argv, message in _bad_inputs(tmp_path):
-        assert message in _cli_error(argv, capsys)
+        assert message in cli_error(argv, capsys)
     assert sorted(p.name for p in previous.iterdir()) == before
-    assert "holds a previous run" in _cli_error(["demo", "--sft-steps", "0"], capsys)
+    assert "holds a previous run" in cli_error(["demo", "--sft-steps", "0"], capsys)
 
 
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_to_refuse(tmp_path,
@@ -481,7 +467,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_to_refuse(t
     behind, so the same command gives the same error again (not "holds a previous run")."""
     for argv, message in _bad_inputs(tmp_path):
         out = tmp_path / "never"
-        assert message in _cli_error([*argv, "--out", str(out)], capsys)
+        assert message in cli_error([*argv, "--out", str(out)], capsys)
         assert not out.exists()
     tok = char_tokenizer()
     model = save_pretrained(tmp_path / "model", demo.builtin_model_config(tok.vocab_size),
@@ -490,10 +476,10 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_to_refuse(t
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # truncated
     argv = ["demo", "--model", str(model), "--out", str(tmp_path / "run")]
-    first = _cli_error(argv, capsys)
+    first = cli_error(argv, capsys)
     assert "model.safetensors" in first
     assert not RunDir(tmp_path / "run").holds_run()
-    assert _cli_error(argv, capsys) == first
+    assert cli_error(argv, capsys) == first
 
 
 def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, capsys):
@@ -505,14 +491,14 @@ def test_one_run_per_out_directory_and_a_broken_run_record_is_named(tmp_path, ca
     try:
         (out / "run.json").write_text("")
         for argv in (["--resume"], [], ["--overwrite"]):
-            err = _cli_error(["demo", "--out", str(out), *argv], capsys)
+            err = cli_error(["demo", "--out", str(out), *argv], capsys)
             assert f"--out {out} is in use by another run (pid {holder.pid})" in err
     finally:
         holder.kill()
         holder.wait(30)
     for text in ("", "[1]", '{"options": {"no_such_option": 1}}', '{"options": {"steps": 1'):
         (out / "run.json").write_text(text)
-        err = _cli_error(["demo", "--out", str(out), "--resume"], capsys)
+        err = cli_error(["demo", "--out", str(out), "--resume"], capsys)
         assert err.startswith(f"jaxrl-cache demo: error: {out / 'run.json'}: "), err
 
 

@@ -21,6 +21,7 @@ from jaxrl_cache.app.tasks import DatasetTask
 from jaxrl_cache.dataset_source import read_dataset
 from jaxrl_cache.models import load_tokenizer
 from jaxrl_cache.rl.rewards import load_reward
+from tests.helpers import cli_error
 
 datasets = pytest.importorskip("datasets")
 
@@ -30,18 +31,6 @@ ROWS = [{"question": f"{a}+{b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"
         for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (4, 3), (6, 2), (1, 1), (2, 5)]]
 TINY = ["--group-size", "2", "--prompts-per-step", "2", "--eval-prompts", "2",
         "--sft-steps", "0", "--max-new-tokens", "6"]
-
-
-def _error(argv, capsys) -> str:
-    """The one stderr line of a CLI run refused with status 2 (SystemExit or returned)."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def test_dataset_sources_and_splits(tmp_path):
@@ -132,7 +121,7 @@ def test_answers_are_optional_with_rewards_and_errors_come_before_any_work(tmp_p
              "--chat-template-kwargs needs a model with a chat template"),
             (["grpo", "--out", str(out)], "--dataset is required"),
             (["demo", "--split", "train", "--out", str(out)], "unrecognized arguments: --split")]:
-        assert message in _error(argv, capsys)
+        assert message in cli_error(argv, capsys)
         assert not out.exists()
 
 
