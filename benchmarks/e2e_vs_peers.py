@@ -112,6 +112,8 @@ def summarise(run: dict) -> dict:
                 rc=run["rc"], steps_timed=len(timed), s_per_step=med("seconds"),
                 warmup_seconds=rows[0]["seconds"], generation_seconds=med("generation_seconds"),
                 update_seconds=med("update_seconds"), audit_seconds=med("audit_seconds"),
+                cores_busy=statistics.median(r["cpu_seconds"] / r["seconds"] for r in timed)
+                if "cpu_seconds" in timed[0] else None,
                 peak_rss_mib=max(r["peak_rss_mib"] for r in rows),
                 reward_first=statistics.mean(r["reward"] for r in rows[:half]),
                 reward_last=statistics.mean(r["reward"] for r in rows[-half:]),

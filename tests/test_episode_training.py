@@ -292,6 +292,9 @@ class FixedRollouts:
         return WeightAck(version=int(state.version), previous_version=int(state.version) - 1,
                          invalidated_pages=0, seconds=0.0, cached_versions=())
 
+    def oldest_pending(self, trainer_version):
+        return trainer_version
+
     def close(self):
         return {}
 

@@ -9,19 +9,12 @@ import numpy as np
 import pytest
 
 from jaxrl_cache.app import cli, demo
-from jaxrl_cache.models import forward, from_pretrained, lora
-from jaxrl_cache.models.lora import LoraConfig
+from jaxrl_cache.models import forward, from_pretrained
 from jaxrl_cache.models.peft import peft_state_dict
 from safetensors.numpy import load_file
 from tests.test_demo import SMALL, read_rows
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj", "down_proj"))
-
-
-def _adapter_bytes(config, rank=4):
-    adapters = jax.eval_shape(lambda: lora.init_adapters(
-        config, LoraConfig(rank=rank, targets=LORA["lora_targets"]), jax.random.key(0)))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adapters)) + 4  # + scale
 
 
 def test_lora_demo_trains_adapters_exports_peft_and_merged_and_resumes(tmp_path):
@@ -66,8 +59,9 @@ def test_async_lora_demo_syncs_only_the_adapters(tmp_path, policy):
     assert summary["mode"] == f"async/{policy}"
     if policy == "recompute":
         assert summary["mixed_tokens"] == 0
-    config, _ = from_pretrained(out / "sft_model")
-    assert {r["sync_bytes"] for r in read_rows(out)} == {_adapter_bytes(config)}
+    # the engine lends the trainer's adapters (the async trainer never donates its params)
+    # and holds one base for the run: a sync copies nothing
+    assert {r["sync_bytes"] for r in read_rows(out)} == {0}
 
 
 def test_lora_calculator_episodes(tmp_path):

@@ -447,6 +447,9 @@ class _Counting:
         self.publishes += 1
         return self.inner.publish(state)
 
+    def oldest_pending(self, trainer_version):
+        return trainer_version
+
 
 @pytest.mark.parametrize("reward,match", [
     (RewardFn(lambda m, e, t: 1 / 0 if e.index == 3 else 1.0, name="div"),

@@ -2,8 +2,9 @@
 trainer's version with the params that sampled them, so grpo_step audits those for free. It
 checks exactly what `audit_attribution` checks (the same tokens, the same differences),
 applies no update when a token is off, and grpo_step then names the sample; tokens of
-older versions, and every token when the step cannot check (several mini-batches), still
-go through the separate audit."""
+older versions are scored by the step with their own params (`audit_params`) on its packed
+micro-batches; every token when the step cannot check (several mini-batches) still goes
+through the separate audit."""
 import dataclasses
 
 import jax
@@ -64,8 +65,8 @@ def test_the_step_checks_what_the_audit_checks():
     mixed = _two_versions()
     _, metrics = train_step(_at(1), make_batch(mixed, [e.reward for e in mixed.episodes]),
                             max_policy_lag=1, audit_tolerance=TOL)
-    only_new = audit_attribution(mixed, {1: PARAMS[1]}, CONFIG, checked_elsewhere=0)
-    only_old = audit_attribution(mixed, {0: PARAMS[0]}, CONFIG, checked_elsewhere=1)
+    only_new = audit_attribution(mixed, {1: PARAMS[1]}, CONFIG, checked_elsewhere={0})
+    only_old = audit_attribution(mixed, {0: PARAMS[0]}, CONFIG, checked_elsewhere={1})
     assert only_new.ok and only_old.ok and only_new.num_checked_tokens > 0
     assert int(metrics["audit_checked_tokens"]) == only_new.num_checked_tokens
     assert only_new.num_checked_tokens + only_old.num_checked_tokens == sum(
@@ -103,6 +104,40 @@ def test_an_off_token_stops_the_update():
     state, metrics = train_step(_at(1), make_batch(other, [0.0] * 6), max_policy_lag=1,
                                 audit_tolerance=TOL)
     assert int(state.version) == 2 and float(metrics["audit_diff_max"]) == TOL == 0.0
+
+
+def test_the_step_scores_older_versions_before_any_update():
+    """Trainer at 1, tokens of 0 and 1, audit_params={0: version 0's params}: the step checks
+    every sampled token, each exactly (0), counts them once, and empties the dict (nothing
+    keeps those params alive through the update). A version-0 token off its record is an
+    AttributionFailure carrying the unchanged state, no update applied (so the dict keeps
+    the params, for naming the sample). A version newer than the state, or no dict, is
+    refused before any work."""
+    mixed = _two_versions()
+    batch = make_batch(mixed, [e.reward for e in mixed.episodes])
+    older = {0: PARAMS[0]}
+    state, metrics = train_step(_at(1), batch, max_policy_lag=1, audit_tolerance=TOL,
+                                audit_params=older)
+    assert older == {} and int(state.version) == 2
+    assert int(metrics["audit_checked_tokens"]) == sum(e.sampled_tokens for e in mixed.episodes)
+    assert float(metrics["logprob_mismatch_max"]) == 0.0
+    assert float(metrics["logprob_mismatch_kl"]) == 0.0
+
+    first = int(np.flatnonzero(np.asarray(mixed.episodes[1].token_versions) == 0)[0])
+    bad = dataclasses.replace(mixed, episodes=[mixed.episodes[0],
+                                               _shift(mixed.episodes[1], first, 1e-6),
+                                               *mixed.episodes[2:]])
+    older = {0: PARAMS[0]}
+    with pytest.raises(AttributionFailure, match=r"version\(s\) \[0\] is .* off") as e:
+        train_step(_at(1), make_batch(bad, [e.reward for e in bad.episodes]),
+                   max_policy_lag=1, audit_tolerance=TOL, audit_params=older)
+    assert int(e.value.state.version) == 1 and set(older) == {0}
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(e.value.state.params),
+                                                    jax.tree.leaves(PARAMS[1])))
+    with pytest.raises(ValueError, match="version 2, newer than the state's"):
+        train_step(_at(1), batch, max_policy_lag=1, audit_params={2: PARAMS[1]})
+    with pytest.raises(TypeError, match="audit_params must be a dict"):
+        train_step(_at(1), batch, max_policy_lag=1, audit_params=[PARAMS[0]])
 
 
 def test_bf16_compute_reproduces_a_bf16_sampler_exactly():
@@ -170,20 +205,43 @@ def test_grpo_step_audits_in_the_step(monkeypatch):
     assert calls and two["audit_checked_tokens"] == r["audit_checked_tokens"]
 
 
-def test_grpo_step_audits_older_versions_separately(monkeypatch):
-    """Trainer at version 1, tokens of 0 and 1: version 0 is recomputed (one pass), version
-    1 checked in the step; together every sampled token. audit_samples=2 bounds the separate
-    audit only: every sample still counts as audited through the step."""
+def test_grpo_step_audits_older_versions_in_the_step(monkeypatch):
+    """Trainer at version 1, tokens of 0 and 1: the train step checks both (version 0 scored
+    with its own params on the step's packed micro-batches), nothing is recomputed outside
+    it, and together every sampled token is counted; audit_samples=2 bounds only a separate
+    audit, so every sample still counts as audited. A version-0 token off its record
+    refuses the update (the sample named, nothing published); a version without params is
+    left to the separate pass, which flags it. The history lets go of version 0 once no
+    pending call can hold it; with two mini-batches the separate pass checks every token."""
     calls = _recomputes(monkeypatch)
     mixed = _two_versions()
     rewards = lambda meta, e, text: float(e.reward)  # noqa: E731
+    history = _history(0, 1)
     r = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
-                  history=_history(0, 1)).record
-    assert len(calls) == 1 and r["audit_failed"] == 0
+                  history=history).record
+    assert calls == [] and r["audit_failed"] == 0 and r["logprob_mismatch_max"] == 0.0
     assert r["audit_checked_tokens"] == sum(e.sampled_tokens for e in mixed.episodes)
+    assert set(history.params) == {1, 2}  # version 0: no pending call holds it
     r = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
                   history=_history(0, 1), audit_samples=2).record
-    assert r["audited_samples"] == 6
+    assert r["audited_samples"] == 6 and calls == []
+
+    e = mixed.episodes[2]
+    logprobs = np.array(e.logprobs)
+    logprobs[np.flatnonzero(np.asarray(e.token_versions) == 0)[0]] += np.float32(1e-3)
+    bad = dataclasses.replace(mixed, episodes=mixed.episodes[:2] + [
+        dataclasses.replace(e, logprobs=logprobs)] + mixed.episodes[3:])
+    rollouts = FixedRollouts([("m", bad)])
+    with pytest.raises(RuntimeError, match=r"flagged samples \[2\]"):
+        grpo_step(0, _at(1), rollouts, rewards, decode=str, history=_history(0, 1))
+    with pytest.raises(RuntimeError, match=r"missing versions \[0\]"):
+        grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
+                  history=_history(1), max_policy_lag=1)
+
+    two = grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
+                    history=_history(0, 1), train=TrainConfig(mini_batches=2)).record
+    assert calls and two["audit_checked_tokens"] == sum(e.sampled_tokens
+                                                        for e in mixed.episodes)
 
 
 def _noisy(batch, by: float):

@@ -55,6 +55,28 @@ def test_version_and_lr_at_version(engine, state):
     assert int(batch.behavior_version.max()) == 0
 
 
+def test_donating_the_optimizer_state_keeps_the_params_readable(engine, state):
+    """donate="optimizer" (asynchronous RL: the engine decodes with the params while the
+    trainer updates): the same new state, bit for bit, as no donation; the input params stay
+    readable, the input optimizer state is consumed. donate=True consumes both; any other
+    string is refused."""
+    _, batch = rollout_batch(engine, state)
+    copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731
+    plain, _ = train_step(copy(state), batch)
+    given = copy(state)
+    lent, _ = train_step(given, batch, donate="optimizer")
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(lent)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(given.params))
+    assert all(x.is_deleted() for x in jax.tree.leaves(given.opt_state)
+               if isinstance(x, jax.Array) and x.ndim)
+    given = copy(state)
+    train_step(given, batch, donate=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(given.params))
+    with pytest.raises(TypeError, match="donate must be a bool or 'optimizer'"):
+        train_step(state, batch, donate="params")
+
+
 def test_create_at_a_given_version(state):
     s = TrainState.create(state.params, config=CONFIG, lr_schedule=SCHEDULE, version=5)
     assert int(s.version) == 5 and optimizer_counts(s.opt_state) == [5]

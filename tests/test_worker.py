@@ -197,8 +197,8 @@ def test_ctrl_c_after_the_engine_committed_a_publish_does_not_wedge_the_worker(m
     eng, buf, worker, hook = started()
     real = eng.sync_weights
 
-    def committed_then_interrupted(params, version):
-        real(params, version)
+    def committed_then_interrupted(params, version, **options):
+        real(params, version, **options)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eng, "sync_weights", committed_then_interrupted)
@@ -325,3 +325,55 @@ def test_the_policy_lag_is_bounded():
     with pytest.raises(ValueError, match="max_policy_lag"):
         SampleBuffer(1, max_policy_lag=MAX_POLICY_LAG + 1)
     assert SampleBuffer(1, max_policy_lag=MAX_POLICY_LAG).max_policy_lag == MAX_POLICY_LAG
+
+
+def _async_steps(borrow: bool) -> tuple[list, list]:
+    """Five get / publish steps of AsyncRollouts (publishes landing mid-call or between
+    calls): (oldest_pending asked before and after each get, each get's calls)."""
+    from jaxrl_cache.rl.loop import AsyncRollouts
+    state = types.SimpleNamespace(model_params=params_at(0), version=0)
+    rollouts = AsyncRollouts(engine(), source, SAMPLING, calls=1, max_policy_lag=1,
+                             key=jax.random.key(0), state=state, borrow=borrow)
+    bounds, got = [], []
+    try:
+        for version in range(5):
+            bounds.append(rollouts.oldest_pending(version))
+            state = types.SimpleNamespace(model_params=params_at(version), version=version)
+            got.append(rollouts.get(version, state))
+            bounds.append(rollouts.oldest_pending(version))
+            time.sleep(0.05 * (version % 2))
+            ack = rollouts.publish(types.SimpleNamespace(model_params=params_at(version + 1),
+                                                         version=version + 1))
+            assert (ack.copied_bytes == 0) == borrow
+    finally:
+        rollouts.close()
+    return bounds, got
+
+
+@pytest.mark.parametrize("borrow", [False, True])
+def test_oldest_pending_bounds_every_later_token(borrow):
+    """AsyncRollouts.oldest_pending(v), asked at any moment, is <= every token version of
+    every call handed out after it (the policy history lets go of older params then), and
+    moves forward. borrow=True: the engine decodes with the published arrays themselves
+    (each ack copies 0 bytes)."""
+    bounds, got = _async_steps(borrow)
+    for k, calls in enumerate(got):
+        oldest = min(int(s.token_versions.min()) for _, b in calls for s in b.samples)
+        assert all(bound <= oldest for bound in bounds[:2 * k + 1]), (k, bounds, oldest)
+    assert max(bounds) >= 3
+
+
+def test_borrowed_and_copied_weights_sample_the_same_bits():
+    """A call with the same token versions samples the same tokens and log-probs whether
+    the engine borrowed the trainer's arrays or copied them (the first call always does)."""
+    (_, copied), (_, lent) = _async_steps(False), _async_steps(True)
+    compared = 0
+    for a, b in zip(copied, lent):
+        for (_, x), (_, y) in zip(a, b):
+            if [s.token_versions.tolist() for s in x.samples] == \
+                    [s.token_versions.tolist() for s in y.samples]:
+                compared += 1
+                assert [s.output_ids for s in x.samples] == [s.output_ids for s in y.samples]
+                assert all(np.array_equal(s.output_logprobs, t.output_logprobs)
+                           for s, t in zip(x.samples, y.samples))
+    assert compared >= 1

@@ -53,6 +53,13 @@ def step_examples(step: int) -> list[dict]:
     return [rows[(step * PROMPTS_PER_STEP + i) % len(rows)] for i in range(PROMPTS_PER_STEP)]
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread (a step's difference
+    over its wall seconds: the cores it kept busy)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def reward(completion: str, answer: str) -> float:
     """1.0 iff the completion's last integer equals the answer."""
     found = INT.findall(completion)

@@ -52,10 +52,11 @@ def main() -> None:
 
     def timed_step(step, *a, **kw):  # the demo's own step, its record re-emitted
         steps_run.append(step)
-        before = len(compiles.names)
+        before, cpu = len(compiles.names), common.cpu_seconds()
         result = grpo_step(step, *a, **kw)
         r = result.record
         common.emit(step=step, seconds=r["step_seconds"], generation_seconds=r["rollout_seconds"],
+                    cpu_seconds=common.cpu_seconds() - cpu,  # every thread of the process
                     update_seconds=r["train_seconds"], audit_seconds=r["audit_seconds"],
                     sync_seconds=r["publish_seconds"], weight_sync_seconds=r["sync_seconds"],
                     sync_bytes=r["sync_bytes"], reward=r["reward"],

@@ -703,7 +703,8 @@ def _rollouts(opts: DemoOptions, engine, source: _PromptSource, sampling, lag: i
         return AsyncRollouts(engine, source.prompts_of, sampling, calls=opts.rollout_calls,
                              max_policy_lag=lag, key=jax.random.fold_in(seed_key, 2**31 - 1),
                              state=state, first_call=start_step * opts.rollout_calls,
-                             episodes=source.episodes)
+                             episodes=source.episodes,
+                             borrow=True)  # its trainer never donates the params (train_config)
     return SyncRollouts(engine, source.prompts_of, sampling, calls=opts.rollout_calls,
                         key=seed_key, episodes=source.episodes)
 
@@ -716,6 +717,7 @@ def _grpo_loop(opts: DemoOptions, run: RunDir, source: _PromptSource, loaded: _L
     Ctrl-C); every --eval-every steps, evaluate(state)'s metrics join the row as "eval/...".
     Returns (state, rows, the stop flag, the rollouts' closing metrics)."""
     state, rows, placement = loaded.state, loaded.rows, loaded.placement
+    loaded.state = None  # the loop's `state` alone holds it: a step frees what it replaced
     stop = _Stop()
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     buffer_metrics = {}

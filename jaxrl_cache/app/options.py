@@ -329,7 +329,9 @@ def parse_json_object(text: str, flag: str) -> dict:
 
 def train_config(opts: DemoOptions, *, async_rollouts: bool):
     """The trainer's settings (a TrainConfig); the synchronous loop donates the old state
-    (the audit needs only the current version's params, the engine holds its own copy)."""
+    (the audit needs only the current version's params, and the engine has released them),
+    the asynchronous one its optimizer state (its engine decodes with the params, lent, while
+    the trainer updates)."""
     from jaxrl_cache.rl.train_config import TrainConfig
     return TrainConfig(correction=opts.correction, mini_batches=opts.mini_batches,
                        epochs=opts.epochs, token_budget=opts.token_budget,
@@ -341,7 +343,8 @@ def train_config(opts: DemoOptions, *, async_rollouts: bool):
                        dual_clip=opts.dual_clip, is_cap=opts.is_cap, kl_beta=opts.kl_beta,
                        remat=opts.remat, compute_dtype=opts.compute_dtype,
                        logprob_chunk=opts.logprob_chunk,
-                       donate=not async_rollouts and opts.mesh is None)
+                       donate=False if opts.mesh is not None else
+                       "optimizer" if async_rollouts else True)
 
 
 def resume_differences(saved: dict, opts: DemoOptions, given) -> list[str]:

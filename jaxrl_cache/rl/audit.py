@@ -5,17 +5,19 @@ context, never checked).
 Every pass of it lives here:
 - `step_audit_sums`: inside the train step, on the log-probs its first update computes
   anyway, for the tokens of the trainer's own version (the step's gate);
-- `audit_attribution`: a separate teacher-forced pass, for tokens of older versions (async
-  runs) and wherever the step's own forward does not reproduce the sampler (bf16 compute,
-  several mini-batches);
-- `audit_step_calls`: which tokens which of the two checks, for a GRPO step's calls;
+- the train step's scoring of older versions' tokens (async runs) with their own params,
+  forward only on the step's packed micro-batches (`train_step(audit_params=...)`), when the
+  step's own check runs;
+- `audit_attribution`: a separate teacher-forced pass, wherever the step's forward does not
+  reproduce the sampler (bf16 compute, several mini-batches), and to name flagged samples;
+- `step_checks` / `audit_step_calls`: which tokens which check, for a GRPO step's calls;
 - `AuditGate`: a run's gate (tolerance, measured floor, exact-token count, adoption of 0),
   a value the rollouts source holds and `grpo_step` replaces after each step.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Collection, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -234,7 +236,7 @@ def _mixed(sample, index: int) -> np.ndarray:
 
 def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dict,
                       config: ModelConfig, *, tolerance: float = AUDIT_TOLERANCE,
-                      checked_elsewhere: int | None = None) -> AuditReport:
+                      checked_elsewhere: Collection[int] = ()) -> AuditReport:
     """Checks invariant 2 for every sampled output token of `batch`.
 
     An EpisodeBatch is audited through its samples (one per episode): every sampled token of
@@ -253,8 +255,8 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
     synchronous case (all tokens of a sample at its behavior version) this is one pass per
     behavior version. tolerance must be finite and >= 0 (a NaN tolerance would pass every
     sample). A sample whose token_versions, mixed_tokens or loss_mask has the wrong shape or
-    type is a ValueError naming it. checked_elsewhere: a version whose tokens are checked by
-    another pass (train_step's in-step audit): they are neither recomputed nor counted here.
+    type is a ValueError naming it. checked_elsewhere: versions whose tokens another pass
+    checks (the train step's, `step_checks`): they are neither recomputed nor counted here.
     """
     if not isinstance(batch, (RolloutBatch, EpisodeBatch)):
         raise TypeError(f"batch must be a RolloutBatch or an EpisodeBatch, got "
@@ -269,10 +271,10 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
     versions = [sample_token_versions(s, i) for i, s in enumerate(all_samples)]
     sampled = [sample_loss_mask(s, i) for i, s in enumerate(all_samples)]
     mixed = [_mixed(s, i) & m for i, (s, m) in enumerate(zip(all_samples, sampled))]
-    skip = -1 if checked_elsewhere is None else int(checked_elsewhere)
+    skip = np.asarray(sorted(int(v) for v in checked_elsewhere), np.int64)
     by_version: dict[int, list[int]] = {}  # version -> samples with tokens of it to check
     for i, (v, m, on) in enumerate(zip(versions, mixed, sampled)):
-        for version in np.unique(v[on & ~m & (v != skip)]):
+        for version in np.unique(v[on & ~m & ~np.isin(v, skip)]):
             by_version.setdefault(int(version), []).append(i)
     first_bad: dict[int, int] = {}
     per_sample: dict[int, float] = {}
@@ -318,6 +320,25 @@ def audited_in_step(train) -> bool:
     return train.mini_batches == 1 and train.compute_dtype == "float32"
 
 
+def step_checks(train, batches: list, version: int,
+                params_by_version: Mapping) -> tuple[frozenset, dict]:
+    """(the versions whose tokens the train step checks, {older version: params} it scores
+    for that: `train_step(audit_params=...)`). When its own forward reproduces the sampler
+    (`audited_in_step`): its version, and every older version of a checkable token (sampled,
+    not mixed) whose params are held, scored on the step's packed micro-batches. Otherwise
+    none: the separate pass (`audit_step_calls`) checks every token."""
+    if not audited_in_step(train):
+        return frozenset(), {}
+    present = set()
+    for batch in batches:
+        for i, s in enumerate(batch.samples):
+            on = sample_loss_mask(s, i) & ~_mixed(s, i)
+            present.update(np.unique(sample_token_versions(s, i)[on]).tolist())
+    older = {v: params_by_version[v] for v in sorted(present)
+             if v < version and v in params_by_version}
+    return frozenset({version, *older}), older
+
+
 def refuse(step: int, batch, report: AuditReport) -> None:
     """AuditError (a RuntimeError) naming the flagged samples of a call, if any."""
     if not report.ok:
@@ -328,17 +349,17 @@ def refuse(step: int, batch, report: AuditReport) -> None:
                          f"{list(report.missing_versions)})")
 
 
-def _checked_in_step(samples, version: int) -> int:
-    """Samples with a token the train step's own audit checks."""
-    return sum(_in_step_tokens(s, i, version) for i, s in enumerate(samples))
+def _checked_in_step(samples, in_step: Collection[int]) -> int:
+    """Samples with a token the train step checks."""
+    return sum(_in_step_tokens(s, i, in_step) for i, s in enumerate(samples))
 
 
-def _in_step_tokens(sample, index: int, version: int) -> bool:
-    """Whether the train step's own audit checks a token of `sample` (sampled at `version`,
-    not mixed)."""
+def _in_step_tokens(sample, index: int, in_step: Collection[int]) -> bool:
+    """Whether the train step checks a token of `sample` (sampled at a version of
+    `in_step`, not mixed)."""
     return bool((sample_loss_mask(sample, index)
                  & ~token_flags(sample, index, "mixed_tokens", False)
-                 & (sample_token_versions(sample, index) == version)).any())
+                 & np.isin(sample_token_versions(sample, index), list(in_step))).any())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,14 +374,13 @@ class StepAuditCounts:
 
 
 def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
-                     config: ModelConfig, *, version: int, in_step: bool, tolerance: float,
+                     config: ModelConfig, *, in_step: Collection[int], tolerance: float,
                      audit_samples: int | None = None) -> StepAuditCounts:
-    """The separate audit of a GRPO step's calls, planned around the step's own: with
-    `in_step`, the tokens of `version` are left to the train step's gate and only older
-    versions' tokens are recomputed here; otherwise every token is. audit_samples: the
-    first k samples (episodes) of each call (None: all); past them, with `in_step`, the
-    step still checks every token of its version. Raises RuntimeError naming the samples
-    when one is flagged (nothing is trained)."""
+    """The separate audit of a GRPO step's calls, planned around the step's own: the
+    tokens of the versions `in_step` (`step_checks`) are left to the train step and only
+    the others are recomputed here. audit_samples: the first k samples (episodes) of each
+    call (None: all); past them the step still checks every token of `in_step`. Raises
+    RuntimeError naming the samples when one is flagged (nothing is trained)."""
     audited = flagged = checked = mixed = 0
     worst, per_sample = 0.0, []
     for batch in batches:
@@ -371,7 +391,7 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
         else:
             subset = dataclasses.replace(batch, samples=batch.samples[:audit_samples])
         report = audit_attribution(subset, params_by_version, config, tolerance=tolerance,
-                                   checked_elsewhere=version if in_step else None)
+                                   checked_elsewhere=in_step)
         audited += report.num_samples
         flagged += len(report.flagged)
         checked += report.num_checked_tokens
@@ -381,16 +401,16 @@ def audit_step_calls(step: int, batches: list, params_by_version: Mapping,
         per_sample += [*report.sample_diff_max, *[None] * (size - report.num_samples)]
         refuse(step, batch, report)
         if in_step and audit_samples is not None:  # past the subset: checked in the step
-            audited += _checked_in_step(batch.samples[audit_samples:], version)
+            audited += _checked_in_step(batch.samples[audit_samples:], in_step)
     return StepAuditCounts(audited, flagged, checked, mixed, worst, tuple(per_sample))
 
 
-def sample_mismatches(batches: list, counts: StepAuditCounts, *, version: int,
-                      in_step: bool, step_max: float) -> list:
+def sample_mismatches(batches: list, counts: StepAuditCounts, *, in_step: Collection[int],
+                      step_max: float) -> list:
     """Each sample's largest |sampler - trainer| log-prob over its checked tokens, in batch
     order, or None where that is not known per sample. The separate pass's figure
-    (`counts.sample_diff_max`) is per sample; the train step's own check (`in_step`) of the
-    tokens of `version` gives only the step's largest (`step_max`): at 0 every one of those
+    (`counts.sample_diff_max`) is per sample; the train step's check of the tokens of the
+    versions `in_step` gives only the step's largest (`step_max`): at 0 every one of those
     tokens is exact, else a sample holding one gets None (its figure is at most step_max).
     None too for a sample none of whose tokens was checked (all mixed, or past
     audit_samples without in_step)."""
@@ -398,7 +418,7 @@ def sample_mismatches(batches: list, counts: StepAuditCounts, *, version: int,
     for batch in batches:
         for i, sample in enumerate(batch.samples):
             separate = counts.sample_diff_max[len(out)]
-            if not (in_step and _in_step_tokens(sample, i, version)):
+            if not (in_step and _in_step_tokens(sample, i, in_step)):
                 out.append(separate)
             else:
                 out.append(None if step_max != 0.0 else separate or 0.0)

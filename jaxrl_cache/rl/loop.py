@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_cache.rl.audit import (EXACT_EVIDENCE_TOKENS, AuditGate, audit_step_calls,
-                                  audited_in_step, name_misattributed, sample_mismatches)
+                                  name_misattributed, sample_mismatches, step_checks)
 from jaxrl_cache.errors import AuditError
 from jaxrl_cache.rl.batch import group_advantages, make_batch
 from jaxrl_cache.rl.health import step_health
@@ -49,6 +49,10 @@ class Rollouts(Protocol):
         """[(meta, batch)] of this step's calls (meta: what the prompt source returned)."""
 
     def publish(self, state: TrainState) -> WeightAck: ...
+
+    def oldest_pending(self, trainer_version: int) -> int:
+        """The oldest version whose tokens a call not yet handed out by `get` may hold (the
+        policy history keeps no older params)."""
 
     def close(self) -> dict: ...
 
@@ -91,6 +95,9 @@ class SyncRollouts:
         """Borrows the new params (no copy): `get` releases them before the next update."""
         return self.engine.sync_weights(state.model_params, state.version, borrow=True)
 
+    def oldest_pending(self, trainer_version: int) -> int:
+        return trainer_version  # every call runs at the trainer's version
+
     def close(self) -> dict:
         return {}
 
@@ -99,25 +106,34 @@ class AsyncRollouts:
     """A RolloutWorker generates the next calls while the trainer trains; weight updates
     land between decode chunks (engine kv_policy); calls beyond the lag are dropped. The
     worker starts at call `first_call` (a resumed run continues the sequence of calls).
-    episodes: as SyncRollouts'."""
+    episodes: as SyncRollouts'. borrow: the engine decodes with the trainer's params
+    themselves, no copy (RolloutWorker's borrow): for a trainer that does not donate its
+    params (TrainConfig.donate False or "optimizer")."""
 
     def __init__(self, engine, prompt_source: Callable, sampling, *, calls: int,
                  max_policy_lag: int, key, state: TrainState, first_call: int = 0,
                  stop_timeout: float = 120.0, episodes: dict | None = None,
-                 exact_after: int | None = EXACT_EVIDENCE_TOKENS):
+                 exact_after: int | None = EXACT_EVIDENCE_TOKENS, borrow: bool = False):
         self.calls, self.stop_timeout = calls, stop_timeout
         self.gate = AuditGate.for_engine(engine, exact_after)
         self.buffer = SampleBuffer(calls, max_policy_lag)
         self.worker = RolloutWorker(engine, prompt_source, sampling, self.buffer, rng=key,
-                                    episodes=episodes)
+                                    episodes=episodes, borrow=borrow)
         self.worker.start(state.model_params, state.version, first_call=first_call)
 
     def get(self, step: int, state: TrainState):
-        return [(item.meta, item.batch)
-                for item in self.buffer.get(self.calls, int(state.version))]
+        items = self.buffer.get(self.calls, int(state.version))
+        trim_host_memory()  # what the last call freed, before the update's peak
+        return [(item.meta, item.batch) for item in items]
 
     def publish(self, state: TrainState) -> WeightAck:
         return self.worker.publish(state.model_params, state.version)
+
+    def oldest_pending(self, trainer_version: int) -> int:
+        """The call in flight's start version, the worker's next one, the buffered calls'
+        oldest tokens (read in that order: a call moving from the first to the last between
+        the reads is seen at least once)."""
+        return self.buffer.oldest_version(self.worker.oldest_version())
 
     def close(self) -> dict:
         """Stops the worker; a call still in flight after stop_timeout is left to its daemon
@@ -131,10 +147,16 @@ class AsyncRollouts:
 
 
 class PolicyHistory:
-    """Params by version for the audit: the newest version and the `lag` before it."""
+    """Params by version for the audit: the newest version and the `lag` before it, less
+    those no call can still hold tokens of (`keep_from`)."""
 
     def __init__(self, lag: int):
         self.lag, self.params = lag, {}
+
+    def keep_from(self, version: int) -> None:
+        """Lets go of the params of versions older than `version`."""
+        for old in [v for v in self.params if v < version]:
+            del self.params[old]
 
     def seed(self, version: int, params) -> None:
         """Holds `params` under `version` unless it holds that version already."""
@@ -195,20 +217,18 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     (Episode.reward) is its reward.
     decode(token ids) -> str (used when a sample has no text of its own); history: params by
     version for the audit (the state's version is added when missing; the new version's
-    params are added). audit_samples: audit the first k samples of each call (None: all);
-    with one mini-batch in fp32 compute this bounds only the separate audit of older
-    versions' tokens: the train step checks every token of its own version
-    (`rl.audit.audit_step_calls`). max_policy_lag: train_step's staleness bound (None:
-    history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError
+    params are added; those no pending call can hold are let go). audit_samples: the first
+    k samples of each call in the separate audit (None: all), run only where the train step
+    cannot check (`rl.audit.step_checks`). max_policy_lag: train_step's staleness bound
+    (None: history.lag); mesh: train_step's mesh. Raises what train_step raises, and RuntimeError
     naming the samples if an audit flags one (a misattributed sample is never trained on:
     the step then applies no update); train_step's AttributionFailure passes through only
     if the separate audit then flags no sample."""
-    if train.donate and history.lag > 0:
+    if train.donate is True and history.lag > 0:
         raise ValueError("TrainConfig.donate with a policy lag > 0: the audit needs the "
                          "params of older versions, which donation would delete")
     scorer = None if reward is None else Rewards.of(reward)  # checked before any rollout
-    gate = _gate_of(rollouts)
-    version = int(state.version)
+    gate, version = _gate_of(rollouts), int(state.version)
     history.seed(version, state.model_params)
     t0 = time.perf_counter()
     parts, untrainable = _trainable(step, rollouts.get(step, state))
@@ -223,20 +243,23 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     rewards = [float(s.reward) for _, s, _ in texts] if scores is None else scores.totals
     t2 = time.perf_counter()
     batches = [b for _, b in parts]
-    in_step, tolerance = audited_in_step(train), gate.step_tolerance
+    (in_step, older), tolerance = step_checks(train, batches, version, history.params), \
+        gate.step_tolerance
     try:
         counts = audit_step_calls(step, batches, history.params, state.config,
-                                  version=version, in_step=in_step, tolerance=tolerance,
+                                  in_step=in_step, tolerance=tolerance,
                                   audit_samples=audit_samples)
         t3 = time.perf_counter()
         batch = make_batch(batches, rewards, advantages=advantages)
+        history.keep_from(rollouts.oldest_pending(version))  # `older` holds this step's
         try:
             new_state, metrics = train_step(
                 state, batch, train, ref_params=ref_params, mesh=mesh,
                 max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
-                audit_tolerance=tolerance if in_step else None)
+                audit_tolerance=tolerance if in_step else None, audit_params=older)
         except AttributionFailure:  # nothing was applied: name the samples, as the audit does
-            name_misattributed(step, batches, history.params, state.config, tolerance)
+            name_misattributed(step, batches, {**history.params, **older}, state.config,
+                               tolerance)
             raise
     except (AuditError, AttributionFailure) as e:
         rollouts.gate = gate.after_failure(e)
@@ -258,7 +281,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
         record.update(scores.metrics)  # rewards/<name>/mean|std, reward_unscored
     if any(isinstance(b, EpisodeBatch) for b in batches):
         record.update(_episode_counters(batches), episodes_untrainable=untrainable)
-    mismatch = sample_mismatches(batches, counts, version=version, in_step=in_step,
+    mismatch = sample_mismatches(batches, counts, in_step=in_step,
                                  step_max=float(metrics["logprob_mismatch_max"]))
     return _result(new_state, record, items, ack, rewards, batch, scores, mismatch)
 

@@ -47,7 +47,7 @@ def estimate_step_bytes(config: ModelConfig, cfg: TrainConfig, row_length: int |
         if cfg.compute_dtype != "float32" and np.dtype(cfg.compute_dtype).itemsize != base:
             frozen += _param_count(config) * np.dtype(cfg.compute_dtype).itemsize
         trainable = _adapter_count(config, lora) * base
-    state = frozen + trainable * (5 if cfg.donate else 8)
+    state = frozen + trainable * {True: 5, "optimizer": 6, False: 8}[cfg.donate]
     act = 2 if cfg.compute_dtype == "bfloat16" else 4
     t, d = cfg.token_budget, config.d_model
     width = min(MAX_ROW if row_length is None else max(row_length, 1), t)

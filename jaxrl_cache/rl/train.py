@@ -217,6 +217,30 @@ def _score(params, frozen, packed: PackedBatch, knobs, *, config, kind, cfg: Tra
     return logp.reshape(packed.tokens.shape)
 
 
+@kernel_keyed_jit(static_argnames=("config", "kind", "cfg"))
+def _version_audit(params, packed: PackedBatch, knobs, version, *, config, kind,
+                   cfg: TrainConfig):
+    """The audit sums (`step_audit_sums`, maxed / summed over micro-batches) of the tokens
+    of `version` (int32 []) under `params`, that version's model params: forward only, one
+    pass over the packed batch [U, M, B, R], a micro-batch holding none of them skipped."""
+    flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), packed)
+
+    def sums_of(mb):
+        logp = _micro_log_probs(params, None, config, mb, knobs, kind, cfg)
+        return step_audit_sums(logp, mb.behavior, mb.audited > 0, mb.versions, version)
+
+    zero = jax.eval_shape(sums_of, jax.tree.map(lambda x: x[0], flat))
+    zero = {k: jnp.zeros(v.shape, v.dtype) for k, v in zero.items()}
+
+    def one(total, mb):
+        s = jax.lax.cond(jnp.any((mb.audited > 0) & (mb.versions == version)),
+                         sums_of, lambda _: zero, mb)
+        return {k: jnp.maximum(total[k], v) if k in AUDIT_MAXED else total[k] + v
+                for k, v in s.items()}, None
+
+    return jax.lax.scan(one, zero, flat)[0]
+
+
 def _micro_loss(params, frozen, config, mb: PackedBatch, proximal, ref, knobs, kind, version,
                 nums, cfg: TrainConfig):
     """(the micro-batch's loss, its metric sums): the policy loss (rl/loss.py) and the audit
@@ -371,14 +395,22 @@ _STATIC = ("tx", "config", "kind", "cfg")
 _train_jit = kernel_keyed_jit(_train_core, static_argnames=_STATIC)
 _train_jit_donating = kernel_keyed_jit(_train_core, static_argnames=_STATIC,
                                        donate_argnums=(0, 1))
+_train_jit_donating_optimizer = kernel_keyed_jit(_train_core, static_argnames=_STATIC,
+                                                 donate_argnums=(1,))
 
 
-def _summary(metrics: dict, version: int, updates: int) -> dict:
+def _summary(metrics: dict, version: int, updates: int, scored: dict | None = None) -> dict:
     """Scalars over the updates: means, maxima of the *_max keys, the last lr; per-update
-    arrays under "per_update". All stay on device."""
+    arrays under "per_update"; the audit counts include `scored` (`_audit_versions`). All
+    stay on device."""
     out = {k: (v.max() if k.endswith("_max") or k == "newest_token_version" else
                v.sum() if k.startswith("audit_") else v.mean())
            for k, v in metrics.items()}
+    if scored is not None:
+        out.update(audit_diff_max=jnp.maximum(out["audit_diff_max"], scored["audit_diff_max"]),
+                   audit_diff_sum=out["audit_diff_sum"] + scored["audit_diff_sum"],
+                   audit_kl_sum=out["audit_kl_sum"] + scored["audit_kl_sum"],
+                   audit_checked_tokens=out["audit_checked_tokens"] + scored["audit_tokens"])
     checked = jnp.maximum(out["audit_checked_tokens"], 1)
     out.update(logprob_mismatch_max=out["audit_diff_max"],  # the sampler/trainer mismatch
                logprob_mismatch_mean=out.pop("audit_diff_sum") / checked,
@@ -389,7 +421,8 @@ def _summary(metrics: dict, version: int, updates: int) -> dict:
 
 
 def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None = None, *,
-               ref_params=None, mesh=None, audit_tolerance: float | None = None, **options):
+               ref_params=None, mesh=None, audit_tolerance: float | None = None,
+               audit_params: dict | None = None, **options):
     """`config.updates` optimizer updates on `batch`. Returns (state with version +
     updates, metrics). options: TrainConfig fields overriding `config` (e.g.
     `train_step(state, batch, max_policy_lag=1)`).
@@ -401,7 +434,13 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     them: logprob_mismatch_max / _mean (|trainer - sampler| log-prob) and _kl (k3 estimate
     of KL(sampler || trainer)), all exactly 0 under exact numerics. audit_tolerance: if one of
     them differs by more, no update is applied and AttributionFailure (carrying the unchanged
-    state) is raised. Under compute_dtype="bfloat16" the recorded log-probs are reproduced
+    state) is raised. audit_params: {version: that version's model params} for tokens the
+    first update does not check itself (older versions' tokens in asynchronous RL; this
+    version's past the first mini-batch): before any update the step scores them, forward
+    only, on the same packed micro-batches (no separate layout, no padding to a grid), and
+    counts them in the same metrics, gated at audit_tolerance the same way. The dict is
+    emptied once they are scored, so those params are not kept alive through the update by
+    it. Under compute_dtype="bfloat16" the recorded log-probs are reproduced
     exactly when the sampler ran the bf16 cast of the params (an engine whose
     ModelConfig.dtype is "bfloat16"); from fp32 sampling they differ by bf16 rounding.
 
@@ -423,6 +462,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
     """
     cfg, version, lrs, audit_tolerance = _checked_arguments(state, batch, config, options,
                                                             ref_params, audit_tolerance)
+    _check_audit_params(audit_params, version)
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in (DATA, FSDP)
                                              if a in mesh.shape)
     packed = pack_batch(batch, cfg, row_multiple=ways)
@@ -442,15 +482,24 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
             proximal = _score(state.params, state.frozen, packed, knobs, **statics)
         if cfg.kl_beta > 0:
             ref = _score(ref_params, None, packed, knobs, **statics)
-        nums = step_numbers(cfg)
-        core = _train_jit_donating if cfg.donate else _train_jit
         tolerance = jnp.float32(np.inf if audit_tolerance is None else audit_tolerance)
+        scored = _audit_versions(state, audit_params, packed, knobs, tolerance, statics)
+        nums = step_numbers(cfg)
+        core = {False: _train_jit, True: _train_jit_donating,
+                "optimizer": _train_jit_donating_optimizer}[cfg.donate]
         params, opt_state, new_version, metrics, finite, attributed = core(
             state.params, state.opt_state, state.frozen, state.version, packed, proximal, ref,
             knobs, jnp.asarray(lrs, jnp.float32), nums, tolerance, tx=state.tx, **statics)
     new_state = state.replace(params=params, opt_state=opt_state, version=new_version)
     if layout is not None:
         new_state = jax.device_put(new_state, layout)
+    _refuse_failed(new_state, metrics, finite, attributed, version, audit_tolerance)
+    return new_state, _summary(metrics, version, cfg.updates, scored)
+
+
+def _refuse_failed(new_state, metrics, finite, attributed, version: int, audit_tolerance):
+    """NonFiniteUpdate / AttributionFailure (carrying `new_state`, the input state passed
+    through unchanged) when the core refused its update."""
     finite, attributed = jax.device_get((finite, attributed))  # the one host read
     if not finite:
         loss, norm = jax.device_get((metrics["loss"], metrics["grad_norm"]))
@@ -463,7 +512,40 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
                                  f"{version} is {worst:.3g} off its recorded log-prob "
                                  f"(tolerance {audit_tolerance:g}); no update applied",
                                  new_state)
-    return new_state, _summary(metrics, version, cfg.updates)
+
+
+def _audit_versions(state, audit_params: dict | None, packed, knobs, tolerance, statics):
+    """train_step's scoring of `audit_params` (see there): their audit sums, summed / maxed
+    over the versions (None without any); AttributionFailure (the state unchanged, nothing
+    applied) when a token is more than `tolerance` off. Empties audit_params once scored."""
+    if not audit_params:
+        return None
+    sums = [_version_audit(params, packed, knobs, jnp.int32(v), **statics)
+            for v, params in sorted(audit_params.items())]
+    total = {k: (jnp.max if k in AUDIT_MAXED else jnp.sum)(jnp.stack([s[k] for s in sums]))
+             for k in sums[0]}
+    worst = float(total["audit_diff_max"])  # the gate: read before the update is dispatched
+    if not worst <= float(tolerance):
+        raise AttributionFailure(f"train step at version {int(state.version)}: a token of "
+                                 f"version(s) {sorted(audit_params)} is {worst:.3g} off its "
+                                 f"recorded log-prob (tolerance {float(tolerance):g}); no "
+                                 f"update applied", state)
+    audit_params.clear()
+    return total
+
+
+def _check_audit_params(audit_params, version: int) -> None:
+    """TypeError / ValueError (one line) for audit_params that is not a dict of versions
+    up to the state's."""
+    if audit_params is None:
+        return
+    if not isinstance(audit_params, dict):
+        raise TypeError(f"audit_params must be a dict version -> params (it is emptied once "
+                        f"scored), got {type(audit_params).__name__}")
+    for v in audit_params:
+        if as_version(v, "audit_params version") > version:
+            raise ValueError(f"audit_params has version {v}, newer than the state's "
+                             f"({version}): no token of it can be in the batch")
 
 
 def _checked_arguments(state, batch, config, options: dict, ref_params, audit_tolerance):

@@ -52,7 +52,9 @@ class TrainConfig:
     #                      (rl.memory.resolve_remat: "dots" when it fits in memory)
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 params and optimizer
     logprob_chunk: int = 128  # positions per LM-head chunk (rl/logprobs.LOGPROB_CHUNK)
-    donate: bool = False  # reuse the input state's buffers (the caller's state is consumed)
+    donate: bool | str = False  # True: reuse the input state's buffers (the caller's state
+    #                             is consumed); "optimizer": only its optimizer state's (the
+    #                             params stay readable: an async engine and audit read them)
 
     def __post_init__(self):
         norm = dict(clip_eps=as_real(self.clip_eps, "clip_eps", minimum=0.0, open_min=True),
@@ -82,7 +84,10 @@ class TrainConfig:
                                 f"{value!r:.80}")
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r:.80}")
-        norm["donate"] = as_bool(self.donate, "donate")
+        if isinstance(self.donate, str) and self.donate != "optimizer":
+            raise TypeError(f"donate must be a bool or 'optimizer', got {self.donate!r:.80}")
+        if self.donate != "optimizer":
+            norm["donate"] = as_bool(self.donate, "donate")
         norm["mask_truncated_completions"] = as_bool(self.mask_truncated_completions,
                                                      "mask_truncated_completions")
         for name, value in norm.items():

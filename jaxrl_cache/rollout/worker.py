@@ -42,7 +42,7 @@ from typing import Callable
 
 import jax
 
-from jaxrl_cache.checks import as_count, as_real
+from jaxrl_cache.checks import as_bool, as_count, as_real
 from jaxrl_cache.errors import StalenessError, VersionError
 from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.rollout.sampling import SamplingParams
@@ -210,6 +210,11 @@ class SampleBuffer:
                 self._restore(items, None)
             raise
 
+    def oldest_version(self, default: int) -> int:
+        """The oldest token version of the buffered calls (`default` when none is)."""
+        with deferred_signals(), self._cond:
+            return min([default, *(item.oldest_version for item in self._items)])
+
     @property
     def error(self) -> BaseException | None:
         """The worker's failure, if it failed."""
@@ -234,19 +239,22 @@ class RolloutWorker:
 
     def __init__(self, engine, prompt_source: Callable[[int], tuple[list, object]],
                  sampling: SamplingParams, buffer: SampleBuffer, *, rng: jax.Array,
-                 episodes: dict | None = None):
+                 episodes: dict | None = None, borrow: bool = False):
         """prompt_source(call) -> (prompts, meta) for the call-th rollout call; rng: the key
         that call c folds c into (calls are reproducible by index). episodes: keyword
         arguments of engine.rollout_episodes (env_factory, max_turns, ...): calls are then
-        episode calls whose prompts are tasks."""
+        episode calls whose prompts are tasks. borrow: the engine decodes with the published
+        params themselves (`sync_weights(borrow=True)`: no copy); the caller must then not
+        donate or delete published params before a later publish."""
         if engine.kv_policy == "wait":
             raise ValueError("RolloutWorker needs an engine with kv_policy 'recompute' or "
                              "'keep': with 'wait' a sync waits for the whole call")
         self.engine, self.source, self.sampling, self.buffer = engine, prompt_source, sampling, buffer
-        self.rng, self.episodes = rng, episodes
+        self.rng, self.episodes, self.borrow = rng, episodes, as_bool(borrow, "borrow")
         self._cond = threading.Condition()  # guards _version and _held
         self._version = -1  # calls start at this version (-1: nothing published yet)
         self._held: dict[int, object] = {}  # version -> params: _version's and newer offers
+        self._calling: int | None = None  # the version the call in flight started at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.calls = 0  # index of the next call
@@ -271,7 +279,7 @@ class RolloutWorker:
             if version > self._version:
                 self._held[version] = params
                 self._cond.notify_all()
-        ack = self.engine.sync_weights(params, version)
+        ack = self.engine.sync_weights(params, version, borrow=self.borrow)
         with deferred_signals(), self._cond:
             self._advance(ack.version)
         return ack
@@ -292,6 +300,8 @@ class RolloutWorker:
                 if batch is None:
                     return  # stopped while waiting for a publish (the buffer is closed)
                 self.buffer.put(Produced(self.calls, batch, meta))
+                with self._cond:  # only now: the buffer shows the call's tokens
+                    self._calling = None
                 self.calls += 1
         except BaseException as e:  # surfaced to the trainer by get() and stop()
             self.buffer.close(e)
@@ -301,7 +311,7 @@ class RolloutWorker:
         the module doc); None if stopped first."""
         while True:
             with self._cond:
-                version = self._version
+                version = self._calling = self._version
                 params = self._held[version]
             try:
                 if self.episodes is not None:
@@ -314,6 +324,13 @@ class RolloutWorker:
                     raise  # not an engine that moved on: a real mismatch
             if not self._catch_up():
                 return None
+
+    def oldest_version(self) -> int:
+        """The oldest version a call not yet buffered may hold tokens of: the version the
+        call in flight started at, else the one the next call starts at (versions only
+        move forward)."""
+        with deferred_signals(), self._cond:
+            return self._version if self._calling is None else self._calling
 
     def _catch_up(self) -> bool:
         """The engine moved past the worker's version: adopts the engine's version once its
