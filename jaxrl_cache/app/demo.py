@@ -536,6 +536,7 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     if evaluate is not None:
         tqdm.write(f"exact match before GRPO (eval, {opts.eval_prompts} prompts): "
                    f"{record['sft_exact_match']:.3f}")
+    engine.release_weights(drop_kv=True)  # the eval's copy: the loop lends the trainer's
     start_step = _steps_at(opts, loaded.start_version)
     source = _prompt_source(opts, task, loaded.tokenizer)
     rollouts = _rollouts(opts, engine, source, loaded.sampling, lag, seed_key, loaded.state,
