@@ -19,7 +19,7 @@ from jaxrl_cache.app.demo import builtin_model_config
 from jaxrl_cache.models import init_params
 from jaxrl_cache.rl.audit import AUDIT_TOLERANCE, audit_attribution
 from jaxrl_cache.rl.batch import make_batch
-from jaxrl_cache.rl.train import TrainState, train_step
+from jaxrl_cache.rl.train import AttributionFailure, TrainState, train_step
 from jaxrl_cache.rollout.engine import RolloutEngine
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import CacheConfig, SchedulerConfig
@@ -77,6 +77,17 @@ def test_one_update_at_a_real_learning_rate_flags_every_stale_sample(params0, lr
     assert report.flagged == tuple(reused), (lr, report.max_abs_diff)
     fresh = honest.rollout(params1, 1, PROMPTS, SP, rng=jax.random.key(2))
     assert audit_attribution(fresh, {1: params1}, CONFIG).ok
+    # asynchronous RL: a trainer one update further scores the version-1 tokens itself, on
+    # its packed micro-batches (train_step(audit_params=...)): the same stale samples refused
+    later = TrainState.create(params1, optax.adamw(1.0), config=CONFIG, lr_schedule=lr,
+                              version=2)
+    rewards = [float(i % 3 == 0) for i in range(len(stale.samples))]
+    with pytest.raises(AttributionFailure, match=r"version\(s\) \[1\]"):
+        train_step(later, make_batch(stale, rewards), max_policy_lag=1, audit_tolerance=0.0,
+                   audit_params={1: params1})
+    _, metrics = train_step(later, make_batch(fresh, rewards), max_policy_lag=1,
+                            audit_tolerance=0.0, audit_params={1: params1})
+    assert float(metrics["logprob_mismatch_max"]) == 0.0
 
 
 def test_honest_engine_flags_none_of_a_thousand_samples(params0):
