@@ -112,7 +112,7 @@ def _update_memory_plan(state, batch, cfg) -> dict:
     cfg = resolve_remat(state.config, cfg, row_length=length, lora=state.lora)
     knobs, kind = knobs_of(batch.sampling, state.config.vocab_size)
     nums = train.step_numbers(cfg)
-    core = train._train_jit_donating if cfg.donate else train._train_jit
+    core = train.TRAIN_JITS[cfg.donate]
     compiled = core.lower(state.params, state.opt_state, state.frozen, state.version, packed, None, None,
                           knobs, jnp.zeros(cfg.updates, jnp.float32), nums, jnp.float32(jnp.inf),
                           tx=state.tx,

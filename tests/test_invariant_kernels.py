@@ -209,7 +209,7 @@ def test_every_entry_point_that_traces_the_setting_is_kernel_keyed():
     from kernels_pallas import paged_decode_attention, paged_prefill_attention
     from kernels_pallas._common import KernelKeyedJit
     for entry in (core.prefill_step, core.decode_chunk, logprobs._next_token_log_probs,
-                  sft.sft_step, train._score, train._train_jit, train._train_jit_donating,
+                  sft.sft_step, train._score, train._version_audit, *train.TRAIN_JITS.values(),
                   paged_prefill_attention, paged_decode_attention):
         assert isinstance(entry, KernelKeyedJit), entry
 

@@ -397,6 +397,8 @@ _train_jit_donating = kernel_keyed_jit(_train_core, static_argnames=_STATIC,
                                        donate_argnums=(0, 1))
 _train_jit_donating_optimizer = kernel_keyed_jit(_train_core, static_argnames=_STATIC,
                                                  donate_argnums=(1,))
+TRAIN_JITS = {False: _train_jit, True: _train_jit_donating,  # by TrainConfig.donate
+              "optimizer": _train_jit_donating_optimizer}
 
 
 def _summary(metrics: dict, version: int, updates: int, scored: dict | None = None) -> dict:
@@ -485,8 +487,7 @@ def train_step(state: TrainState, batch: TrainBatch, config: TrainConfig | None 
         tolerance = jnp.float32(np.inf if audit_tolerance is None else audit_tolerance)
         scored = _audit_versions(state, audit_params, packed, knobs, tolerance, statics)
         nums = step_numbers(cfg)
-        core = {False: _train_jit, True: _train_jit_donating,
-                "optimizer": _train_jit_donating_optimizer}[cfg.donate]
+        core = TRAIN_JITS[cfg.donate]
         params, opt_state, new_version, metrics, finite, attributed = core(
             state.params, state.opt_state, state.frozen, state.version, packed, proximal, ref,
             knobs, jnp.asarray(lrs, jnp.float32), nums, tolerance, tx=state.tx, **statics)
