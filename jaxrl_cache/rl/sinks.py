@@ -69,39 +69,40 @@ def _numpy_kind(value) -> str | None:
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard events under `logdir` through tensorboardX's SummaryWriter (one
-    add_scalar per field), each step's in an event file of its own.
-
-    SummaryWriter writes on a background thread, and its flush() does not wait for the
-    thread's queue (tensorboardX 2.6.5): close() is the one call that drains it. So write()
-    opens a SummaryWriter, adds the step's scalars and closes it: the step is on disk
-    (fsynced) when write() returns, at the cost of one small file per step. TensorBoard reads
-    a directory's files in name order: a file's name carries the second, the host, then the
-    time in ns and the pid (a file of an existing name would be overwritten). A resumed run
-    (start_step > 0) first writes a file holding SummaryWriter's purge_step = start_step:
-    TensorBoard then drops the earlier files' events of steps >= start_step."""
+    """Scalars as TensorBoard events under `logdir`: one event file per sink, one Event per
+    step holding its scalars, written through tensorboardX's synchronous EventsWriter and
+    flushed before write() returns (a process killed after a write loses none of it).
+    (tensorboardX 2.6.5's SummaryWriter queues events for a thread, and its flush() does not
+    drain that queue.) A file's name carries the second, the host, then the time in ns and
+    the pid, so a run's files sort in the order they were written. A resumed run
+    (start_step > 0) first writes a SessionLog START at start_step: TensorBoard then drops the
+    earlier files' events of steps >= start_step."""
 
     def __init__(self, logdir, *, start_step: int = 0):
-        from tensorboardX import SummaryWriter
-        self.SummaryWriter, self.logdir = SummaryWriter, pathlib.Path(logdir)
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        self.Event, self.logdir = Event, pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(self.logdir / "events"),
+                                    filename_suffix=f".{time.time_ns()}.{os.getpid()}")
         if start_step:
-            self._writer(purge_step=start_step).close()
+            self._write(Event(wall_time=time.time(), step=start_step,
+                              session_log=SessionLog(status=SessionLog.START)))
+        else:
+            self._writer.flush()  # the file's header event
 
-    def _writer(self, **options):
-        return self.SummaryWriter(str(self.logdir),
-                                  filename_suffix=f".{time.time_ns()}.{os.getpid()}", **options)
+    def _write(self, event) -> None:
+        self._writer.write_event(event)
+        self._writer.flush()
 
     def write(self, step: int, record: dict) -> None:
-        writer = self._writer()
-        try:
-            for tag, value in scalars(record).items():
-                writer.add_scalar(tag, value, step)
-        finally:
-            writer.close()
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import scalar
+        values = [v for tag, value in scalars(record).items() for v in scalar(tag, value).value]
+        self._write(self.Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def close(self) -> None:
-        pass
+        self._writer.close()
 
 
 class CsvSink:
