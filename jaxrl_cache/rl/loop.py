@@ -2,17 +2,18 @@
 a loop over `grpo_step`.
 
 One step: rollout calls (synchronous: at the trainer's version; asynchronous: drawn from a
-RolloutWorker's buffer) -> decode -> reward of every sample -> attribution audit of the
-tokens of older versions (every sample, or the first `audit_samples` of each call) ->
-`train_step` (micro-batches, one or more updates), whose first update audits every token of
-the trainer's own version for free (the same forward pass; with one mini-batch in fp32
-compute, else those tokens are audited before it too) and applies nothing if one is off ->
-sync/publish of the new params -> one metrics record, read from the device once, with the
-seconds of each phase (audit_seconds: the separate audit only).
+RolloutWorker's buffer) -> decode -> reward of every sample -> `train_step` (micro-batches,
+one or more updates), which audits every token before applying anything: older versions'
+tokens scored with their own params on its packed micro-batches, its own version's in its
+first update's forward, for free (with one mini-batch in fp32 compute; otherwise a
+separate teacher-forced pass audits every token first, the first `audit_samples` of each
+call) -> sync/publish of the new params -> one metrics record, read from the device once,
+with the seconds of each phase (audit_seconds: the separate pass only).
 
-Policy history: the params of every version a sample in flight may still hold tokens of
-(the lag window) are kept for the audit; older ones are released. Donating the trainer's
-buffers (`TrainConfig.donate`) is refused when the window keeps old versions alive.
+Policy history: the params of every version a pending call may still hold tokens of (within
+the lag window) are kept for the audit; the step lets go of older ones before its update.
+Donating the trainer's params (`TrainConfig.donate=True`) is refused when the window keeps
+old versions alive; the optimizer state alone may be (`donate="optimizer"`).
 
 Multi-turn: a call may be an EpisodeBatch (`RolloutEngine.rollout_episodes`); its episodes
 are rewarded (by default with their environment's return), audited on their sampled tokens

@@ -30,7 +30,7 @@ def recorded_step(state, batch, mesh):
         return core(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "_train_jit", record)
+        patch.setitem(train.TRAIN_JITS, False, record)
         out = train_step(state, batch, mesh=mesh)
     (call,) = calls
     return out, call
