@@ -234,6 +234,15 @@ def test_grpo_step_audits_older_versions_in_the_step(monkeypatch):
     rollouts = FixedRollouts([("m", bad)])
     with pytest.raises(RuntimeError, match=r"flagged samples \[2\]"):
         grpo_step(0, _at(1), rollouts, rewards, decode=str, history=_history(0, 1))
+    # a version-1 token off (the step's own check refuses after version 0 passed its
+    # scoring and the history let it go): that sample alone is named, no version missing
+    logprobs = np.array(e.logprobs)
+    logprobs[np.flatnonzero(np.asarray(e.token_versions) == 1)[0]] += np.float32(1e-3)
+    own = dataclasses.replace(mixed, episodes=mixed.episodes[:2] + [
+        dataclasses.replace(e, logprobs=logprobs)] + mixed.episodes[3:])
+    with pytest.raises(RuntimeError, match=r"flagged samples \[2\] .*missing versions \[\]"):
+        grpo_step(0, _at(1), FixedRollouts([("m", own)]), rewards, decode=str,
+                  history=_history(0, 1))
     with pytest.raises(RuntimeError, match=r"missing versions \[0\]"):
         grpo_step(0, _at(1), FixedRollouts([("m", mixed)]), rewards, decode=str,
                   history=_history(1), max_policy_lag=1)

@@ -426,9 +426,11 @@ def sample_mismatches(batches: list, counts: StepAuditCounts, *, in_step: Collec
 
 
 def name_misattributed(step: int, batches: list, params_by_version: Mapping,
-                       config: ModelConfig, tolerance: float) -> None:
-    """After the step's gate refused an update: the full audit of every call, raising the
+                       config: ModelConfig, tolerance: float,
+                       passed: Collection[int] = ()) -> None:
+    """After the step's gate refused an update: the full audit of every call but the tokens
+    of versions `passed` (checked already, their params maybe let go), raising the
     RuntimeError that names the flagged samples (returns only if it flags none)."""
     for batch in batches:
         refuse(step, batch, audit_attribution(batch, params_by_version, config,
-                                              tolerance=tolerance))
+                                              tolerance=tolerance, checked_elsewhere=passed))

@@ -259,8 +259,8 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
                 max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
                 audit_tolerance=tolerance if in_step else None, audit_params=older)
         except AttributionFailure:  # nothing was applied: name the samples, as the audit does
-            name_misattributed(step, batches, {**history.params, **older}, state.config,
-                               tolerance)
+            _name_refused(step, batches, history.params, older, in_step - {version},
+                          state.config, tolerance)
             raise
     except (AuditError, AttributionFailure) as e:
         rollouts.gate = gate.after_failure(e)
@@ -295,6 +295,15 @@ def _result(state, record, items, ack, rewards, batch, scores, mismatch) -> Step
                       reward_values=None if scores is None else
                       {name: tuple(v) for name, v in scores.values.items()},
                       mismatch=tuple(mismatch))
+
+
+def _name_refused(step: int, batches: list, params: dict, older: dict, scored: frozenset,
+                  config, tolerance: float) -> None:
+    """After the train step refused its update: its samples named (`name_misattributed`).
+    `older` still holds its params when their scoring refused; emptied, the versions the
+    step `scored` passed (their params may be gone from the history) and are not checked."""
+    name_misattributed(step, batches, {**params, **older}, config, tolerance,
+                       () if older else scored)
 
 
 def _gate_of(rollouts) -> AuditGate:

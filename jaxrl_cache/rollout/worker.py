@@ -251,7 +251,7 @@ class RolloutWorker:
                              "'keep': with 'wait' a sync waits for the whole call")
         self.engine, self.source, self.sampling, self.buffer = engine, prompt_source, sampling, buffer
         self.rng, self.episodes, self.borrow = rng, episodes, as_bool(borrow, "borrow")
-        self._cond = threading.Condition()  # guards _version and _held
+        self._cond = threading.Condition()  # guards _version, _held and _calling
         self._version = -1  # calls start at this version (-1: nothing published yet)
         self._held: dict[int, object] = {}  # version -> params: _version's and newer offers
         self._calling: int | None = None  # the version the call in flight started at
