@@ -7,6 +7,7 @@ depend on the row count for few rows, by a bound `invariant_rows` measures per s
 each measured bound is checked right and tight here against a brute-force dot of its own.
 """
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -324,3 +325,50 @@ def test_the_one_off_probes_run_inside_a_trace_that_disallows_transfers():
         np.testing.assert_array_equal(np.asarray(out), np.ones((1, 4, 112)))
         np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), np.full((3, 23), 41.0))
         assert batch_invariant(112)
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general of a jaxpr, sub-jaxprs (custom_vjp, pjit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dots(sub)
+    return found
+
+
+@pytest.mark.parametrize("rows_out", [False, True])
+def test_bf16_dense_backward_is_the_gradient_in_row_major_bf16_dots(rows_out):
+    """bf16 dense: the forward keeps its bits, the gradients are the fp32 gradients to bf16
+    precision, and every dot of the backward takes bf16 operands as [M, K] x [K, N] (the
+    only form XLA:CPU's fast bf16 dot takes; autodiff's transposed forms are upcast)."""
+    k, n, m = 48, 40, 24
+    x32 = jnp.asarray(RNG.standard_normal((m, k)), jnp.float32)
+    w32 = jnp.asarray(RNG.standard_normal((n, k) if rows_out else (k, n)), jnp.float32)
+    probe = jnp.asarray(RNG.standard_normal((m, n)), jnp.float32)
+    x, w = x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)
+
+    def loss(x, w):
+        return jnp.sum(dense(x, w, jnp.float32, w_rows_out=rows_out) * probe)
+
+    plain = jnp.dot(x.astype(jnp.float32), (w.T if rows_out else w).astype(jnp.float32))
+    assert np.array_equal(np.asarray(dense(x, w, jnp.float32, w_rows_out=rows_out)),
+                          np.asarray(jax.lax.dot_general(
+                              x, w, (((1,), (1 if rows_out else 0,)), ((), ())),
+                              preferred_element_type=jnp.float32)))
+    np.testing.assert_allclose(np.asarray(dense(x, w, jnp.float32, w_rows_out=rows_out)),
+                               np.asarray(plain), rtol=1e-5, atol=1e-4)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    ref_x, ref_w = jax.grad(lambda a, b: jnp.sum(jnp.dot(a, b.T if rows_out else b) * probe),
+                            argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    for got, want in ((dx, ref_x), (dw, ref_w)):
+        got, want = np.asarray(got, np.float32), np.asarray(want)
+        assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))
+    dots = _dots(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr)
+    backward = dots[1:]  # the forward's own dot first
+    assert len(backward) == 2
+    for eqn in backward:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2
+        assert eqn.params["dimension_numbers"] == (((1,), (0,)), ((), ()))

@@ -195,18 +195,29 @@ REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is re
 }
 
 
+def _narrower(compute, stored) -> bool:
+    return jnp.issubdtype(stored, jnp.floating) and jnp.dtype(compute).itemsize < \
+        jnp.dtype(stored).itemsize
+
+
 def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: str = "none"):
     """Runs the stacked blocks with one lax.scan; kv_cache (any pytree, or None) is carried.
 
     attend(layer int32 [], q, k, v, kv_cache) -> (out [..., T, Hq, D], kv_cache').
     remat: "none", or a REMAT_POLICIES key (each block rematerialised in the backward pass).
     LoRA adapters in params (`models.lora`) are applied in every projection they target.
+    Layer weights wider than x (fp32 master weights in a bf16 train step) are cast one
+    layer at a time inside the scan: the same values as a cast of the whole stack, and the
+    backward then adds each layer's gradient into the fp32 stack in place (a cast stack
+    made XLA convert the whole stack at every layer).
     """
     scale = params.get(LORA_SCALE)
     tables = rotary_tables(positions, jnp.asarray(config.inv_freq()))
 
     def block(carry, layer):
         x, kv_cache, index = carry
+        layer = jax.tree.map(lambda w: w.astype(x.dtype) if _narrower(x.dtype, w.dtype) else w,
+                             layer)  # fp32 master weights, bf16 compute: cast per layer
         x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
         h = _norm(config, x, layer["attn_norm"])
         q, k, v = _qkv(layer, config, h, tables, scale)

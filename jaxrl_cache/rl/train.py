@@ -179,10 +179,14 @@ class AttributionFailure(ValueError):
 
 
 def _compute_params(params, cfg: TrainConfig):
+    """params in cfg.compute_dtype; the stacked layers stay as they are (the layer scan
+    casts each layer: `models.llama._decoder`)."""
     if cfg.compute_dtype == "float32":
         return params
-    return jax.tree.map(lambda x: x.astype(cfg.compute_dtype)
-                        if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    cast = jax.tree.map(lambda x: x.astype(cfg.compute_dtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        {k: v for k, v in params.items() if k != "layers"})
+    return {**cast, "layers": params["layers"]}  # cast per layer inside the scan
 
 
 def _micro_log_probs(params, frozen, config, mb: PackedBatch, knobs, kind, cfg: TrainConfig,
