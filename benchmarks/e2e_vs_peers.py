@@ -6,7 +6,8 @@ prompts x group x new tokens, temperature 1, constant lr 2e-5, one AdamW update 
 no KL) on this CPU, each in its own subprocess and venv, alternated round by round.
 
 Variants: jaxrl-mt (XLA default, multi-threaded Eigen), jaxrl-st (XLA_FLAGS
-single-threaded), jaxrl-lora (jaxrl-mt training LoRA adapters over the frozen model, issue 37:
+single-threaded), jaxrl-bf16 (--compute-dtype bfloat16: the train step and the engine in
+bf16, fp32 master weights; its own system beside jaxrl's fp32, as TRL's bf16), jaxrl-lora (jaxrl-mt training LoRA adapters over the frozen model, issue 37:
 rank 16, alpha 32, all-linear, same lr; its own system "jaxrl-lora", compared with jaxrl's
 best), jaxrl-mt-async / jaxrl-lora-async (the same with --async: a weight sync copies);
 trl-{1,2}t[-nockpt][-bf16] (torch.set_num_threads; gradient checkpointing on unless
@@ -21,7 +22,7 @@ Benchmark-only installs (not project dependencies):
     python3.11 -m venv /work/tunixvenv && /work/tunixvenv/bin/pip install google-tunix \
         "jax==0.10.*" "jaxlib==0.10.*"
 
-    python benchmarks/e2e_vs_peers.py --shape 2x8x24 --steps 6 --rounds 2 \
+    python benchmarks/e2e_vs_peers.py --shape 2x8x24 --steps 6 --rounds 2 [--isa avx2] \
         --json benchmarks/results/e2e-vs-peers-cpu-2026-12-03-2x8x24.json
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ VARIANTS = {  # name: (system, python, script, extra args, extra env)
     "jaxrl-mt": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [], {}),
     "jaxrl-st": ("jaxrl", ROOT / ".venv/bin/python", "jaxrl_grpo.py", [],
                  {"XLA_FLAGS": ST_FLAGS}),
+    "jaxrl-bf16": ("jaxrl-bf16", ROOT / ".venv/bin/python", "jaxrl_grpo.py",
+                   ["--compute-dtype", "bfloat16"], {}),  # bf16 train step and engine
     "jaxrl-lora": ("jaxrl-lora", ROOT / ".venv/bin/python", "jaxrl_grpo.py",  # issue 37
                    ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "all-linear"],
                    {}),
@@ -66,12 +69,31 @@ ORDER = ["jaxrl-mt", "trl-1t", "trl-2t", "trl-1t-nockpt", "trl-2t-nockpt", "trl-
          "trl-2t-bf16", "trl-2t-nockpt-bf16"]  # alternated; tunix-mt, jaxrl-st on request
 
 
+ISA_ENV = {  # --isa avx2: every system on its AVX2 code path (user machines differ)
+    "avx2": dict(xla="--xla_cpu_max_isa=AVX2",
+                 torch={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+}
+
+
+def isa_env(system: str, env: dict, isa: str | None) -> dict:
+    """env with the variables that hold `system` to `isa`'s code path (none: native)."""
+    if isa is None:
+        return env
+    if system.startswith(("jaxrl", "tunix")):
+        flags = " ".join(filter(None, [env.get("XLA_FLAGS", ""), ISA_ENV[isa]["xla"]]))
+        return {**env, "XLA_FLAGS": flags}
+    return {**env, **ISA_ENV[isa]["torch"]}
+
+
 def run_variant(name: str, steps: int, log_dir: pathlib.Path, timeout: float,
-                jaxrl_src: str | None = None, shape: str = "2x8x24") -> dict:
+                jaxrl_src: str | None = None, shape: str = "2x8x24",
+                isa: str | None = None) -> dict:
     """Runs one child to completion; its STEP lines, exit status and load averages.
     jaxrl_src: a directory holding a jaxrl_cache package (e.g. `git archive COMMIT
-    jaxrl_cache`) that the jaxrl variants import instead of the working tree."""
+    jaxrl_cache`) that the jaxrl variants import instead of the working tree. isa: "avx2"
+    holds XLA (--xla_cpu_max_isa) and torch (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) to it."""
     system, python, script, extra, env = VARIANTS[name]
+    env = isa_env(system, env, isa)
     if system.startswith("jaxrl"):  # the script's directory comes first on sys.path, not the tree's
         env = {**env, "PYTHONPATH": jaxrl_src or str(ROOT)}
     cmd = [str(python), str(PEERS / script), "--steps", str(steps), "--shape", shape, *extra]
@@ -157,6 +179,8 @@ def main() -> None:
     p.add_argument("--append", action="store_true",
                    help="add these runs to the runs already in --json")
     p.add_argument("--md", default=None, help="also write a markdown table of the runs here")
+    p.add_argument("--isa", choices=sorted(ISA_ENV), default=None,
+                   help="run every system on this code path (default: native)")
     args = p.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -171,7 +195,7 @@ def main() -> None:
         for name in names:
             print(f"round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
             run = run_variant(name, args.steps, log_dir, args.timeout, args.jaxrl_src,
-                              args.shape)
+                              args.shape, args.isa)
             run["round"] = first_round + rnd
             runs.append(run)
             s = summarise(run)
@@ -181,7 +205,7 @@ def main() -> None:
                 result = dict(date=str(datetime.date.today()), machine="CPU, 2 cores, shared",
                               platform=platform.platform(), cpus=os.cpu_count(),
                               steps=args.steps, rounds=first_round + args.rounds,
-                              shape=args.shape,
+                              shape=args.shape, isa=args.isa or "native",
                               st_xla_flags=ST_FLAGS,
                               workload=_workload(args.shape), **combine(runs), runs=runs)
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +250,12 @@ def markdown(runs: list[dict], shape: str, steps: int) -> str:
         if "jaxrl-lora" in best:
             out.append(f"jaxrl-lora/jaxrl = {best['jaxrl-lora']['s_per_step'] / ours:.2f}x "
                        "(below 1: LoRA steps are faster than full fine-tuning)")
+        mine = {s: v for s, v in best.items() if s in ("jaxrl", "jaxrl-bf16")}
+        if peers and len(mine) > 1:
+            fast_peer = min(peers, key=lambda s: peers[s]["s_per_step"])
+            fast_mine = min(mine, key=lambda s: mine[s]["s_per_step"])
+            out.append(f"faster peer / faster setting here: {fast_peer} / {fast_mine} = "
+                       f"{peers[fast_peer]['s_per_step'] / mine[fast_mine]['s_per_step']:.2f}x")
     return "\n".join(out) + "\n"
 
 

@@ -8,7 +8,7 @@ tables. Backends: "pallas" (Triton, GPU), "interpret" (same kernel, Pallas inter
 """
 from kernels_pallas._common import (BACKENDS, KERNEL_CHOICES, KERNELS_ENV, invariant_kernels,
                                     is_power_of_2, kernel_keyed_jit, next_power_of_2,
-                                    resolve_backend)
+                                    as_bits16, from_bits16, resolve_backend)
 from kernels_pallas.decode import (DecodePlan, paged_decode_attention, paged_decode_reference,
                                    plan_decode)
 from kernels_pallas.kv_write import write_kv, write_kv_jit
@@ -18,7 +18,7 @@ from kernels_pallas.prefill import (gathered_prefill_attention, paged_prefill_at
 
 __all__ = [
     "BACKENDS", "KERNEL_CHOICES", "KERNELS_ENV", "invariant_kernels", "kernel_keyed_jit",
-    "is_power_of_2", "next_power_of_2", "resolve_backend",
+    "is_power_of_2", "next_power_of_2", "as_bits16", "from_bits16", "resolve_backend",
     "DecodePlan", "paged_decode_attention", "paged_decode_reference", "plan_decode",
     "gathered_prefill_attention", "paged_prefill_attention", "paged_prefill_reference",
     "write_kv", "write_kv_jit", "log_sum_exp",

@@ -140,11 +140,34 @@ def flatten_pool(pages, layer):
     return pages.reshape((num_layers * num_pages,) + pages.shape[2:]), layer * num_pages
 
 
-def gather_kv(k_pages, v_pages, page_table):
+def as_bits16(x):
+    """A 16-bit float array as its uint16 bits (a bit cast), any other array as it is.
+
+    XLA:CPU has no bf16 scatter, gather or dynamic slice: its float normalisation converts
+    the WHOLE operand to fp32 and back around each one (a bf16 decode step of SmolLM2 took
+    2 s against 80 ms in fp32, converting the KV pool at every layer's write). So the xla
+    paths carry a 16-bit KV pool and stacked layer weights as bits through a jitted call
+    (`rollout.core`): the KV writes scatter bits, the attention views the pages it gathers
+    as floats again (`gather_kv(dtype=)`), the layer scan each layer's weights, so every
+    value is the same bits."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def from_bits16(x, dtype):
+    """Inverse of `as_bits16`: a uint16 array viewed as `dtype`; anything else as it is."""
+    if x.dtype == jnp.uint16 and jnp.dtype(dtype) != x.dtype:
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return x
+
+
+def gather_kv(k_pages, v_pages, page_table, dtype=None):
     """The pages of each table row, in position order (the xla paths).
 
-    k_pages, v_pages [N, Hkv, ps, D] flat pools; page_table int32 [R, W] (already offset) ->
-    k, v [R, Hkv, W * ps, D] in the pool's dtype.
+    k_pages, v_pages [N, Hkv, ps, D] flat pools (or their `as_bits16`); page_table int32
+    [R, W] (already offset) -> k, v [R, Hkv, W * ps, D] in the pool's dtype, or in `dtype`
+    when the pool holds its bits.
     """
     rows, width = page_table.shape
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
@@ -155,7 +178,8 @@ def gather_kv(k_pages, v_pages, page_table):
         return jnp.transpose(rows_of, (0, 2, 1, 3, 4)).reshape(
             rows, num_kv_heads, width * page_size, head_dim)
 
-    return pages(k_pages), pages(v_pages)
+    return (from_bits16(pages(k_pages), dtype or k_pages.dtype),
+            from_bits16(pages(v_pages), dtype or v_pages.dtype))
 
 
 def check_kernel_shapes(page_size: int, head_dim: int) -> None:

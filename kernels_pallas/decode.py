@@ -271,14 +271,14 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, seq_lens, *, layer=N
         shared_pages, shared = shared_pages[:edge], edge
     shared_keys = shared * page_size
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
-    k, v = c.gather_kv(k_pages, v_pages, page_table + page_offset)  # [B, Hkv, L, D]
+    k, v = c.gather_kv(k_pages, v_pages, page_table + page_offset, q.dtype)  # [B, Hkv, L, D]
     valid = jnp.arange(k.shape[2])[None, :] < (seq_lens - shared_keys)[:, None]  # [B, L]
     v = jnp.where(valid[:, None, :, None], v, jnp.zeros_like(v))  # free slots: NaN/Inf
     kb, vb = key_blocks(k, 2), key_blocks(v, 2)  # [B, Hkv, NB, KB, D]
     scores = block_scores(qg, kb, scale)  # [B, Hkv, NB, G, KB]
     visible = key_blocks(valid, 1)[:, None, :, None, :]  # [B, 1, NB, 1, KB]
     if shared:
-        ks, vs = c.gather_kv(k_pages, v_pages, shared_pages[None] + page_offset)
+        ks, vs = c.gather_kv(k_pages, v_pages, shared_pages[None] + page_offset, q.dtype)
         ks, vs = key_blocks(ks[0], 1), key_blocks(vs[0], 1)  # [Hkv, NS, KB, D]
         q_all = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, batch * group, head_dim)
         s_shared = block_scores(q_all, ks, scale)  # [Hkv, NS, B * G, KB]

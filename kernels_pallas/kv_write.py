@@ -11,7 +11,8 @@ from kernels_pallas import _common as c
 def write_kv(k_pages, v_pages, k_new, v_new, page_table, token_seq, token_pos, *, layer=None):
     """Writes token t's K/V at page page_table[token_seq[t], token_pos[t] // ps], slot pos % ps.
 
-    k_pages, v_pages [P, Hkv, page_size, D], or stacked [L, P, Hkv, page_size, D] with `layer`
+    k_pages, v_pages [P, Hkv, page_size, D] (or a 16-bit pool's `as_bits16`), or stacked
+    [L, P, Hkv, page_size, D] with `layer`
     an int32 scalar (may be traced; only [layer, page, :, slot] is written);
     k_new, v_new [T, Hkv, D];
     page_table int32 [B, W]; token_seq int32 [T]; token_pos int32 [T] (negative = padding,
@@ -39,9 +40,20 @@ def write_kv(k_pages, v_pages, k_new, v_new, page_table, token_seq, token_pos, *
                      k_flat.shape[0])
     slot = safe_pos % page_size
     # Out-of-range page index + mode="drop" discards padding tokens.
-    k_flat = k_flat.at[page, :, slot].set(k_new.astype(k_flat.dtype), mode="drop")
-    v_flat = v_flat.at[page, :, slot].set(v_new.astype(v_flat.dtype), mode="drop")
+    k_flat = k_flat.at[page, :, slot].set(_as_pool(k_new, k_flat.dtype), mode="drop")
+    v_flat = v_flat.at[page, :, slot].set(_as_pool(v_new, v_flat.dtype), mode="drop")
     return k_flat.reshape(shape), v_flat.reshape(shape)
+
+
+def _as_pool(new, dtype):
+    """New K/V in the pool's dtype; for a pool of bits (`_common.as_bits16`) the bits of the
+    new values, which must then be 16-bit floats (the model's own dtype)."""
+    if dtype == jnp.uint16 and new.dtype != dtype:
+        if new.dtype.itemsize != 2 or not jnp.issubdtype(new.dtype, jnp.floating):
+            raise ValueError(f"a pool of 16-bit float bits takes 16-bit float K/V, got "
+                             f"{new.dtype}")
+        return jax.lax.bitcast_convert_type(new, dtype)
+    return new.astype(dtype)
 
 
 write_kv_jit = jax.jit(write_kv, donate_argnums=(0, 1))

@@ -219,7 +219,8 @@ def paged_prefill_reference(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
     tile_seq, q_pos0, kv_len, src = _tile_plan(cu_q_lens, kv_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
 
-    k, v = c.gather_kv(k_pages, v_pages, page_table[tile_seq] + page_offset)  # [NT, Hkv, L, D]
+    k, v = c.gather_kv(k_pages, v_pages, page_table[tile_seq] + page_offset,  # [NT, Hkv, L, D]
+                       q.dtype)
     col = jnp.arange(k.shape[2])
     v = jnp.where((col[None, :] < kv_len[:, None])[:, None, :, None], v, jnp.zeros_like(v))
     qt = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[src]  # [NT, bq, Hq, D]

@@ -180,6 +180,25 @@ def test_async_demo_trains_within_the_lag_and_audits_every_token(tmp_path, polic
         assert summary["mixed_tokens"] == 0
 
 
+def test_bf16_compute_samples_the_bf16_cast_and_audits_it_in_the_step(tmp_path, monkeypatch):
+    """--compute-dtype bfloat16: the engine runs the bf16 cast of the fp32 params, so every
+    step's log-prob mismatch is 0 and the step itself checks every token (no separate
+    pass); the trainer's params and the checkpoint stay fp32."""
+    from jaxrl_cache.rl import audit
+    separate = []
+    monkeypatch.setattr(audit, "next_token_log_probs",
+                        lambda *a, **k: separate.append(1) or pytest.fail("separate pass"))
+    out = tmp_path / "bf16"
+    summary = demo.run_demo(demo.DemoOptions(out=str(out), compute_dtype="bfloat16",
+                                             **dict(SMALL, steps=2)))
+    rows = read_rows(out)
+    assert summary["audit_failures"] == 0 and separate == []
+    assert [r["logprob_mismatch_max"] for r in rows] == [0.0, 0.0]
+    assert all(r["audit_checked_tokens"] == r["generated_tokens"] > 0 for r in rows)
+    config, params = from_pretrained(out / "final_model")
+    assert config.dtype == "float32"
+
+
 @pytest.mark.parametrize("async_rollouts", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_calculator_episodes_through_the_demo(tmp_path, async_rollouts):
     """--env calculator: multi-turn episodes end to end (warm start on both turns, GRPO on

@@ -162,6 +162,44 @@ def test_bf16_compute_reproduces_a_bf16_sampler_exactly():
         assert float(metrics["ratio_max"]) == 1.0
 
 
+def test_a_bf16_step_audits_an_engine_holding_the_bf16_cast_in_the_step(monkeypatch):
+    """--compute-dtype bfloat16: an engine whose ModelConfig.dtype is bf16 is handed the
+    fp32 master params and holds their cast (bits equal to being handed the cast), so the
+    bf16 step reproduces its log-probs: grpo_step checks every token in the step (nothing
+    recomputed outside, mismatch 0). With two mini-batches the separate pass casts the fp32
+    history params the same way and passes every token; against an fp32 sampler's gate the
+    same bf16 samples are refused."""
+    calls = _recomputes(monkeypatch)
+    engine = RolloutEngine(dataclasses.replace(CONFIG, dtype="bfloat16"),
+                           CacheConfig(num_pages=64, page_size=8))
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 23)]
+    sp = SamplingParams(n=2, max_new_tokens=10, temperature=0.9, top_k=12)
+    ack = engine.sync_weights(PARAMS[0], 0, borrow=True)
+    assert ack.copied_bytes == sum(x.size * 2 for x in jax.tree.leaves(PARAMS[0]))
+    batch = engine.rollout(PARAMS[0], 0, prompts, sp, rng=jax.random.key(0))
+    cast = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), PARAMS[0])
+    again = RolloutEngine(engine.model_config, CacheConfig(num_pages=64, page_size=8))
+    same = again.rollout(cast, 0, prompts, sp, rng=jax.random.key(0))
+    assert all(a.output_ids == b.output_ids and np.array_equal(a.output_logprobs,
+                                                               b.output_logprobs)
+               for a, b in zip(batch.samples, same.samples))
+    gate = audit.AuditGate.for_engine(engine)
+    assert gate.sampler_dtype == "bfloat16"
+    rewards = lambda meta, s, text: float(len(s.output_ids) % 2)  # noqa: E731
+    one = TrainConfig(compute_dtype="bfloat16")
+    r = grpo_step(0, _state(), FixedRollouts([("m", batch)], gate), rewards, decode=str,
+                  history=_history(0), train=one).record
+    assert calls == [] and r["audit_failed"] == 0 and r["logprob_mismatch_max"] == 0.0
+    assert r["audit_checked_tokens"] == r["generated_tokens"] > 0
+    two = grpo_step(0, _state(), FixedRollouts([("m", batch)], gate), rewards, decode=str,
+                    history=_history(0), train=dataclasses.replace(one, mini_batches=2)).record
+    assert calls and two["audit_failed"] == 0
+    assert two["audit_checked_tokens"] == r["audit_checked_tokens"]
+    with pytest.raises(RuntimeError, match="flagged samples"):
+        grpo_step(0, _state(), FixedRollouts([("m", batch)]), rewards, decode=str,
+                  history=_history(0), train=dataclasses.replace(one, mini_batches=2))
+
+
 def _history(*versions):
     history = PolicyHistory(lag=len(versions) - 1)
     for v in versions:

@@ -307,8 +307,10 @@ def _trainer_arguments(add, d) -> None:
              "auto: dots when that fits half the memory, "
              "else full [%(default)s]")
     add("--compute-dtype", choices=["float32", "bfloat16"], default=d.compute_dtype,
-        help="train-step compute dtype (params and optimizer state stay fp32) "
-             "[%(default)s]")
+        help="train-step compute dtype (params and optimizer state stay fp32); bfloat16: "
+             "the engine samples with the bf16 cast of the params, so the audit still "
+             "compares bits (full fine-tuning; LoRA keeps the engine fp32); fastest on CPUs "
+             "with AMX [%(default)s]")
     add("--logprob-chunk", type=_positive_int, default=d.logprob_chunk,
         help="positions per LM-head chunk of the train step's log-probs [%(default)s]")
     add("--lora-rank", type=_natural_int, default=d.lora_rank,

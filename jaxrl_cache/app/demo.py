@@ -506,6 +506,17 @@ def _kernels(choice: str | None):
             os.environ[KERNELS_ENV] = before
 
 
+def _engine_config(config: ModelConfig, train: TrainConfig, opts: DemoOptions) -> ModelConfig:
+    """The engine's model config: the trainer's, sampling in the train step's compute dtype
+    where that is narrower (--compute-dtype bfloat16: the engine holds the bf16 cast of the
+    fp32 params, so the step's forward reproduces its log-probs bit for bit). LoRA keeps the
+    engine in the base's dtype (the base is lent to it as it is)."""
+    narrower = np.dtype(train.compute_dtype).itemsize < np.dtype(config.dtype).itemsize
+    if not narrower or opts.lora_rank:
+        return config
+    return dataclasses.replace(config, dtype=train.compute_dtype)
+
+
 def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, layout,
                   t_start: float) -> dict:
     """run_demo after its checks: warm start, GRPO, export, summary."""
@@ -513,8 +524,8 @@ def _run_prepared(opts: DemoOptions, run: RunDir, record: dict | None, task, lay
     train = _train_config(opts, async_rollouts=opts.async_rollouts)
     lag = opts.max_policy_lag * train.updates if opts.async_rollouts else 0  # in versions
     placement = loaded.placement
-    engine = RolloutEngine(loaded.config, CacheConfig(num_pages=opts.kv_pages,
-                                                      page_size=opts.page_size),
+    engine = RolloutEngine(_engine_config(loaded.config, train, opts),
+                           CacheConfig(num_pages=opts.kv_pages, page_size=opts.page_size),
                            scheduler_config=SchedulerConfig(chunk_steps=opts.chunk_steps),
                            backend=opts.backend, version=loaded.start_version,
                            kv_policy=opts.kv_policy if opts.async_rollouts else "wait",

@@ -24,7 +24,7 @@ from jaxrl_cache.models.config import ModelConfig
 from jaxrl_cache.models.dense import Transposed, dense, transpose_pays
 from jaxrl_cache.models.lora import SCALE as LORA_SCALE, linear
 from jaxrl_cache.spmd import per_batch_shard, split_batch
-from kernels_pallas import (gathered_prefill_attention, invariant_kernels,
+from kernels_pallas import (from_bits16, gathered_prefill_attention, invariant_kernels,
                             paged_decode_attention, paged_prefill_attention, write_kv)
 from kernels_pallas.blocked import (KEY_BLOCK, TILE, all_items, blocked_attention,
                                     gathered_attention, tree_sum)
@@ -195,9 +195,15 @@ REMAT_POLICIES = {  # what the backward pass keeps of each block (the rest is re
 }
 
 
-def _narrower(compute, stored) -> bool:
-    return jnp.issubdtype(stored, jnp.floating) and jnp.dtype(compute).itemsize < \
-        jnp.dtype(stored).itemsize
+def _layer_weight(w, dtype):
+    """One layer's weight as the block computes it in `dtype`: fp32 master weights cast (a
+    bf16 train step), a 16-bit weight held as its bits viewed as floats again
+    (`rollout.core` hands the engine's layers over that way)."""
+    if w.dtype == jnp.uint16:
+        return from_bits16(w, dtype)
+    if jnp.issubdtype(w.dtype, jnp.floating) and jnp.dtype(dtype).itemsize < w.dtype.itemsize:
+        return w.astype(dtype)
+    return w
 
 
 def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: str = "none"):
@@ -209,15 +215,15 @@ def _decoder(params, config, x, positions, attend: Callable, kv_cache, remat: st
     Layer weights wider than x (fp32 master weights in a bf16 train step) are cast one
     layer at a time inside the scan: the same values as a cast of the whole stack, and the
     backward then adds each layer's gradient into the fp32 stack in place (a cast stack
-    made XLA convert the whole stack at every layer).
+    made XLA convert the whole stack at every layer). uint16 layer weights are bf16 bits
+    (`_layer_weight`).
     """
     scale = params.get(LORA_SCALE)
     tables = rotary_tables(positions, jnp.asarray(config.inv_freq()))
 
     def block(carry, layer):
         x, kv_cache, index = carry
-        layer = jax.tree.map(lambda w: w.astype(x.dtype) if _narrower(x.dtype, w.dtype) else w,
-                             layer)  # fp32 master weights, bf16 compute: cast per layer
+        layer = jax.tree.map(lambda w: _layer_weight(w, x.dtype), layer)
         x = split_batch(x)  # under a data/fsdp mesh only (jaxrl_cache.spmd)
         h = _norm(config, x, layer["attn_norm"])
         q, k, v = _qkv(layer, config, h, tables, scale)

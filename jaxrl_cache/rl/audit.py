@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -118,6 +119,7 @@ class AuditGate:
     floor: float | None = None  # the first step's measured sampler/trainer floor
     exact_tokens: int | None = None  # calibrated: tokens reproduced bit for bit so far
     exact_after: int | None = EXACT_EVIDENCE_TOKENS
+    sampler_dtype: str = "float32"  # the engine's ModelConfig.dtype: the audit's compute
 
     def __post_init__(self):
         as_real(self.tolerance, "AuditGate.tolerance", minimum=0.0)
@@ -129,7 +131,9 @@ class AuditGate:
 
     @classmethod
     def for_engine(cls, engine, exact_after: int | None = EXACT_EVIDENCE_TOKENS):
-        return cls.start(tolerance_for(engine), exact_after)
+        config = getattr(engine, "model_config", None)
+        return dataclasses.replace(cls.start(tolerance_for(engine), exact_after),
+                                   sampler_dtype=getattr(config, "dtype", "float32"))
 
     @property
     def calibrating(self) -> bool:
@@ -234,6 +238,16 @@ def _mixed(sample, index: int) -> np.ndarray:
     return token_flags(sample, index, "mixed_tokens", False)
 
 
+def _in_dtype(params, dtype: str):
+    """params as an engine of `dtype` holds them: wider floats cast (fp32 master weights
+    synced to a bf16 engine), everything else as it is."""
+    def cast(x):
+        wider = jnp.issubdtype(x.dtype, jnp.floating) and \
+            x.dtype.itemsize > jnp.dtype(dtype).itemsize
+        return x.astype(dtype) if wider else x
+    return jax.tree.map(cast, params)
+
+
 def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dict,
                       config: ModelConfig, *, tolerance: float = AUDIT_TOLERANCE,
                       checked_elsewhere: Collection[int] = ()) -> AuditReport:
@@ -251,7 +265,8 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
     A sample is flagged if a checked token's logprob differs from the recorded one by more
     than `tolerance` (default 0: any bit difference, as the engine on one device computes
     the trainer's bits; `tolerance_for(engine)` gives a mesh engine's calibrated one) or one
-    of its tokens to check has a version without params. In the
+    of its tokens to check has a version without params. config: the sampler's (its dtype:
+    params wider than it are cast first, as the engine's sync casts them). In the
     synchronous case (all tokens of a sample at its behavior version) this is one pass per
     behavior version. tolerance must be finite and >= 0 (a NaN tolerance would pass every
     sample). A sample whose token_versions, mixed_tokens or loss_mask has the wrong shape or
@@ -287,8 +302,9 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
             bad = [(i, int(np.argmax(sel))) for i, sel in zip(idx, todo)]
         else:
             samples = [all_samples[i] for i in idx]
-            logp = np.asarray(next_token_log_probs(params_by_version[version], config,
-                                                   _rows(samples), batch.sampling))
+            logp = np.asarray(next_token_log_probs(
+                _in_dtype(params_by_version[version], config.dtype), config, _rows(samples),
+                batch.sampling))
             bad = []
             for r, (i, s, sel) in enumerate(zip(idx, samples, todo)):
                 p, o = len(s.prompt_ids), len(s.output_ids)
@@ -313,21 +329,22 @@ def audit_attribution(batch: RolloutBatch | EpisodeBatch, params_by_version: dic
         sample_diff_max=tuple(per_sample.get(i) for i in range(len(all_samples))))
 
 
-def audited_in_step(train) -> bool:
+def audited_in_step(train, sampler_dtype: str = "float32") -> bool:
     """Whether the train step's own forward reproduces the sampler, so its gate
     (`step_audit_sums`) checks the tokens of its version: one mini-batch (the first update
-    runs the params that sampled them) in fp32 compute."""
-    return train.mini_batches == 1 and train.compute_dtype == "float32"
+    runs the params that sampled them), computing in fp32 or in the sampler's own dtype (a
+    bf16 step reproduces an engine that sampled the bf16 cast of its params)."""
+    return train.mini_batches == 1 and train.compute_dtype in ("float32", sampler_dtype)
 
 
-def step_checks(train, batches: list, version: int,
-                params_by_version: Mapping) -> tuple[frozenset, dict]:
+def step_checks(train, batches: list, version: int, params_by_version: Mapping,
+                sampler_dtype: str = "float32") -> tuple[frozenset, dict]:
     """(the versions whose tokens the train step checks, {older version: params} it scores
     for that: `train_step(audit_params=...)`). When its own forward reproduces the sampler
     (`audited_in_step`): its version, and every older version of a checkable token (sampled,
     not mixed) whose params are held, scored on the step's packed micro-batches. Otherwise
     none: the separate pass (`audit_step_calls`) checks every token."""
-    if not audited_in_step(train):
+    if not audited_in_step(train, sampler_dtype):
         return frozenset(), {}
     present = set()
     for batch in batches:

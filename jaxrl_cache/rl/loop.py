@@ -244,10 +244,10 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
     rewards = [float(s.reward) for _, s, _ in texts] if scores is None else scores.totals
     t2 = time.perf_counter()
     batches = [b for _, b in parts]
-    (in_step, older), tolerance = step_checks(train, batches, version, history.params), \
-        gate.step_tolerance
+    in_step, older, tolerance, sampler_config = _audit_plan(train, batches, version, history,
+                                                            gate, state.config)
     try:
-        counts = audit_step_calls(step, batches, history.params, state.config,
+        counts = audit_step_calls(step, batches, history.params, sampler_config,
                                   in_step=in_step, tolerance=tolerance,
                                   audit_samples=audit_samples)
         t3 = time.perf_counter()
@@ -260,7 +260,7 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
                 audit_tolerance=tolerance if in_step else None, audit_params=older)
         except AttributionFailure:  # nothing was applied: name the samples, as the audit does
             _name_refused(step, batches, history.params, older, in_step - {version},
-                          state.config, tolerance)
+                          sampler_config, tolerance)
             raise
     except (AuditError, AttributionFailure) as e:
         rollouts.gate = gate.after_failure(e)
@@ -295,6 +295,16 @@ def _result(state, record, items, ack, rewards, batch, scores, mismatch) -> Step
                       reward_values=None if scores is None else
                       {name: tuple(v) for name, v in scores.values.items()},
                       mismatch=tuple(mismatch))
+
+
+def _audit_plan(train: TrainConfig, batches: list, version: int, history: PolicyHistory,
+                gate: AuditGate, config) -> tuple:
+    """(versions the train step checks, {older version: params} it scores, the tolerance,
+    the sampler's model config: the trainer's in the engine's dtype, which the separate
+    pass computes in)."""
+    in_step, older = step_checks(train, batches, version, history.params, gate.sampler_dtype)
+    return (in_step, older, gate.step_tolerance,
+            dataclasses.replace(config, dtype=gate.sampler_dtype))
 
 
 def _name_refused(step: int, batches: list, params: dict, older: dict, scored: frozenset,

@@ -13,7 +13,7 @@ from jaxrl_cache.models import ModelConfig
 from jaxrl_cache.models.families import family_of
 from jaxrl_cache.parallel import shard_forward
 from jaxrl_cache.rollout.sampling import sample_tokens
-from kernels_pallas import kernel_keyed_jit
+from kernels_pallas import as_bits16, from_bits16, kernel_keyed_jit, resolve_backend
 
 
 def _on_mesh(forward, mesh):
@@ -38,9 +38,29 @@ def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_
     """
     decoder = family_of(config).decoder
     logits, kv_cache = _on_mesh(decoder.prefill_forward, mesh)(
-        params, config, kv_cache, tokens, token_seq, token_pos, page_table, cu_q_lens, kv_lens,
-        logit_slot, backend=backend)
-    return logits, decoder.copy_pages(kv_cache, copy_src, copy_dst)
+        _bits_params(params, backend, mesh), config, _as_bits(kv_cache, backend, mesh),
+        tokens, token_seq, token_pos,
+        page_table, cu_q_lens, kv_lens, logit_slot, backend=backend)
+    return logits, _as_values(decoder.copy_pages(kv_cache, copy_src, copy_dst), config)
+
+
+def _as_bits(tree, backend: str, mesh):
+    """A pytree's 16-bit float arrays as their bits (`as_bits16`) on the xla paths of one
+    device, where XLA:CPU would otherwise convert them whole to fp32 around each scatter
+    and slice; as it is elsewhere."""
+    if mesh is not None or resolve_backend(backend) != "xla":
+        return tree
+    return jax.tree.map(as_bits16, tree)
+
+
+def _bits_params(params, backend: str, mesh):
+    """params with the stacked layers as bits (`_as_bits`): the layer scan slices bits and
+    `models.llama._decoder` views each layer as floats again."""
+    return {**params, "layers": _as_bits(params["layers"], backend, mesh)}
+
+
+def _as_values(kv_cache, config: ModelConfig):
+    return jax.tree.map(lambda pages: from_bits16(pages, jnp.dtype(config.dtype)), kv_cache)
 
 
 def row_keys(key, sample_index, emitted):
@@ -73,6 +93,7 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
     """
     batch = fresh.shape[0]
     live0 = budget > 0
+    params = _bits_params(params, backend, mesh)
     forward_fn = _on_mesh(family_of(config).decoder.decode_forward, mesh)
 
     def cond(state):
@@ -103,9 +124,9 @@ def decode_chunk(params, kv_cache, fresh_logits, fresh, last_token, position, pa
                 counts, done, stopped, seen)
 
     zeros = jnp.zeros((batch, steps), jnp.int32)
-    state = (jnp.int32(0), kv_cache, last_token, position, zeros,
+    state = (jnp.int32(0), _as_bits(kv_cache, backend, mesh), last_token, position, zeros,
              jnp.zeros((batch, steps), jnp.float32), jnp.zeros(batch, jnp.int32), ~live0,
              jnp.zeros(batch, bool), presence)
     step, kv_cache, _, _, out_tok, out_logp, counts, _, stopped, _ = jax.lax.while_loop(
         cond, body, state)
-    return out_tok, out_logp, counts, stopped, step, kv_cache
+    return out_tok, out_logp, counts, stopped, step, _as_values(kv_cache, config)

@@ -25,6 +25,7 @@ A call's parts: its queue, slots and admission (scheduler.Run), page claims
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 import threading
@@ -141,6 +142,33 @@ def _resident_copy(params):
     one pass over the weights. Fresh buffers: the caller may donate or mutate its own arrays
     afterwards."""
     return (jax.tree.map(jnp.copy, params), *_check_leaves(params))
+
+
+def _narrows(given, dtype) -> bool:
+    """Whether a `given` leaf dtype is a wider float than the engine's `dtype` (fp32 master
+    weights to a bf16 engine): such a leaf is synced as its cast."""
+    try:
+        given = np.dtype(given)
+    except TypeError:
+        return False
+    return (jnp.issubdtype(given, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+            and given.itemsize > np.dtype(dtype).itemsize)
+
+
+def _narrowed(params, like):
+    """params with each leaf that `_narrows` to `like`'s dtype cast to it (fresh arrays,
+    one program), or None when none does."""
+    dtypes = tuple(np.dtype(y.dtype) for y in jax.tree.leaves(like))
+    if not any(_narrows(getattr(x, "dtype", None), d)
+               for x, d in zip(jax.tree.leaves(params), dtypes)):
+        return None
+    return _cast_leaves(params, dtypes)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_leaves(params, dtypes: tuple):
+    leaves, tree = jax.tree.flatten(params)
+    return jax.tree.unflatten(tree, [x.astype(d) for x, d in zip(leaves, dtypes)])
 
 
 def _buffers(x) -> set:
@@ -261,6 +289,10 @@ class RolloutEngine:
         on CPU, and arrays on another placement; the ack names them (`copied_leaves`) and
         splits the bytes (`copied_bytes`, `lent_bytes`).
 
+        Floating leaves wider than the model config's dtype (fp32 master weights to a bf16
+        engine) are held as their cast, the engine's own copy (`copied_bytes`; borrowing
+        lends nothing then); the fingerprint is the cast's. Not with LoRA adapters.
+
         LoRA params (`models.lora.attach`: a base plus adapters): the engine holds one base
         for its life, lent (never copied per version; a host array is copied once), and a
         sync copies only the adapters and the scale (`copied_bytes`; the base counts as
@@ -374,12 +406,16 @@ class RolloutEngine:
         if adapters is not None:  # LoRA: the base held once; only the adapters move
             lora_base = self._lora_base(base, version)
             params = {"adapters": adapters, "scale": scale}
-        resident, finite, fingerprint = self._owned(params, borrow)
+        cast = None if lora_base is not None else _narrowed(params, self._param_shapes)
+        narrowed = cast is not None
+        if narrowed:  # the cast is the engine's own copy: held as it is
+            params = cast
+        resident, finite, fingerprint = self._owned(params, borrow or narrowed)
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
-        source = tuple(jax.tree.leaves(params))
-        lent = [isinstance(y, jax.Array) and _buffers(x) == _buffers(y)
+        source = tuple(jax.tree.leaves(given if narrowed else params))
+        lent = [not narrowed and isinstance(y, jax.Array) and _buffers(x) == _buffers(y)
                 for x, y in zip(jax.tree.leaves(resident), source)]
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         sizes = [x.nbytes for x in jax.tree.leaves(resident)]
@@ -440,7 +476,8 @@ class RolloutEngine:
         adapters')."""
         base, adapters, scale = lora.split(params)
         if adapters is None:
-            return np.asarray(_checked(params)[1])
+            cast = _narrowed(params, self._param_shapes)
+            return np.asarray(_checked(params if cast is None else cast)[1])
         held = self._weights.lora_base
         base_print = held.fingerprint if held is not None and held.params is not None and \
             _same_leaves(base, held.source) else np.asarray(_checked(base)[1])
@@ -505,6 +542,9 @@ class RolloutEngine:
             raise ValueError(f"params tree does not match the model config: {got} vs {want}")
         for path, a, b in zip(jax.tree_util.tree_leaves_with_path(params),
                               jax.tree.leaves(params), jax.tree.leaves(self._param_shapes)):
+            if adapters is None and getattr(a, "shape", None) == b.shape and \
+                    _narrows(getattr(a, "dtype", None), b.dtype):
+                continue  # fp32 master weights to a bf16 engine: synced as their cast
             if getattr(a, "shape", None) != b.shape or getattr(a, "dtype", None) != b.dtype:
                 raise ValueError(f"param {jax.tree_util.keystr(path[0])} is "
                                  f"{getattr(a, 'dtype', type(a).__name__)}"
