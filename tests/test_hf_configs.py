@@ -196,6 +196,19 @@ def test_a_bad_rope_parameters_key_is_named_where_it_came_from():
         config_from_hf(hf)
 
 
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads"])
+def test_an_odd_derived_head_dim_names_the_fields_it_came_from(field):
+    """Found by the property test below (a CI run): a config without head_dim whose
+    hidden_size // num_attention_heads is odd was refused naming only head_dim."""
+    name = next(n for n in sorted(EXPECTED) if "head_dim" not in EXPECTED[n][0])
+    hf = dict(EXPECTED[name][0])
+    hf[field] = hf["num_attention_heads"] if field == "hidden_size" else hf["hidden_size"]
+    hf["num_key_value_heads"] = 1
+    with pytest.raises(ConfigError, match=r"head_dim=1 \(absent, so hidden_size=\d+ // "
+                                          r"num_attention_heads=\d+\)"):
+        config_from_hf(hf)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats()
                     | st.text(max_size=4),
                     lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v,

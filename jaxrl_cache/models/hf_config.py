@@ -200,7 +200,9 @@ def common_fields(hf: dict, source: str, dtype: str | None) -> dict:
     return dict(
         vocab_size=number(hf, "vocab_size", int, source), d_model=d_model,
         n_layers=number(hf, "num_hidden_layers", int, source), n_heads=heads,
-        n_kv_heads=kv_heads, head_dim=head_dim(hf, source, default=d_model // heads or 1),
+        n_kv_heads=kv_heads, head_dim=head_dim(
+            hf, source, default=d_model // heads or 1,
+            default_from=f"hidden_size={d_model} // num_attention_heads={heads}"),
         d_ff=number(hf, "intermediate_size", int, source),
         max_seq_len=number(hf, "max_position_embeddings", int, source, default=2048),
         rope_theta=theta, norm_eps=number(hf, "rms_norm_eps", float, source, default=1e-6),
@@ -208,11 +210,14 @@ def common_fields(hf: dict, source: str, dtype: str | None) -> dict:
         rope_scaling=scaling)
 
 
-def head_dim(hf: dict, source: str, *, default: int) -> int:
-    """hf's head_dim (`default` when absent), which rotary embeddings need even."""
+def head_dim(hf: dict, source: str, *, default: int, default_from: str = "") -> int:
+    """hf's head_dim (`default` when absent, computed as `default_from` says), which rotary
+    embeddings need even; the error names the fields the odd value came from."""
     value = number(hf, "head_dim", int, source, default=default)
     if value % 2:
-        raise ConfigError(f"{source} field head_dim={value} (default {default}): rotary "
+        origin = f"default {default}" if "head_dim" in hf or not default_from else \
+            f"absent, so {default_from}"
+        raise ConfigError(f"{source} field head_dim={value} ({origin}): rotary "
                           f"embeddings need an even head_dim")
     return value
 
