@@ -21,7 +21,7 @@ NUMERICS_FILES := tests/test_numerics.py tests/test_exactness.py tests/test_exac
 AVX2 := XLA_FLAGS=--xla_cpu_max_isa=AVX2
 
 test: setup
-	$(BIN)/python -m pytest tests -m 'not slow' -n 2 --dist loadfile --max-worker-restart=0 --durations=15
+	$(BIN)/python -m pytest tests -m 'not slow' -n 3 --dist loadfile --max-worker-restart=0 --durations=15
 	$(AVX2) $(BIN)/python -m pytest $(NUMERICS_FILES) -m 'not slow' -n 2 --dist loadfile \
 		--max-worker-restart=0 -q
 

@@ -362,12 +362,17 @@ def test_the_exactness_suite_holds_on_the_invariant_kernels():
     JAXRL_CACHE_KERNELS=interpret: the engine's attention runs the interpret kernels, the
     projections tiled_matmul, the trainer's attention the prefill kernel. Every recorded bit
     reproduces over drawn batch compositions, schedules, page sizes, prefix hits and
-    packings, and one update at lr 1e-6 / 1e-7 gets every stale sample flagged."""
+    packings, and one update at lr 1e-7 (and 1e-6 under `make test-full`) gets every stale
+    sample flagged. Interpret mode compiles slowly, so `make test` draws 3 of the property
+    test's examples (`JAXRL_EXACTNESS_EXAMPLES`), the full sweep all of them."""
+    full = os.environ.get("JAXRL_FULL_SWEEP") == "1"
     env = dict(os.environ, **{KERNELS_ENV: "interpret"})
+    if not full:
+        env["JAXRL_EXACTNESS_EXAMPLES"] = "3"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(pathlib.Path(__file__).with_name("test_exactness.py")),
-         "-k", "one_update or every_token"],
+         "-k", "one_update or every_token" if full else "one_update and 1e-07 or every_token"],
         env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout
+    assert ("3 passed" if full else "2 passed") in proc.stdout

@@ -58,11 +58,12 @@ def test_mesh_engine_equals_single_device(tensor):
     sharded.cache.check_invariants()
 
 
-def test_mesh_engine_is_exact_under_the_invariant_kernels(monkeypatch):
+@pytest.mark.parametrize("tensor", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_mesh_engine_is_exact_under_the_invariant_kernels(monkeypatch, tensor):
     """Under JAXRL_CACHE_KERNELS the mesh engine computes the trainer's bits: its recorded
     log-probs equal the one-device engine's and the trainer's teacher-forced ones bit for
     bit (audit at tolerance 0), through admission rounds and a prefix served from the
-    cache, with kv heads split (tensor 2) and copied (tensor 4)."""
+    cache, with kv heads split (tensor 2) and copied (tensor 4, `make test-full`)."""
     from tests.multidevice.test_tensor_parallel import KERNEL_CONFIG as config
     monkeypatch.setenv(KERNELS_ENV, "interpret")
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x,
@@ -72,15 +73,14 @@ def test_mesh_engine_is_exact_under_the_invariant_kernels(monkeypatch):
     sp = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, top_k=8)
     single = RolloutEngine(config, cache, scheduler_config=sched)
     want = single.rollout(params, 0, PROMPTS, sp, rng=jax.random.key(0))
-    for tensor in (2, 4):
-        mesh = make_mesh({"tensor": tensor}, jax.devices()[8 - tensor:])
-        sharded = RolloutEngine(config, cache, scheduler_config=sched, mesh=mesh)
-        assert tolerance_for(sharded) == 0.0
-        for call in range(2):  # the second call's prompts are served from the radix cache
-            got = sharded.rollout(params, 0, PROMPTS, sp, rng=jax.random.key(0))
-            assert (got.cached_tokens > 0) == (call == 1)
-            for a, b in zip(got.samples, want.samples):
-                assert a.output_ids == b.output_ids
-                np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
-            report = audit_attribution(got, {0: params}, config)
-            assert report.ok and report.exact and report.max_abs_diff == 0.0
+    mesh = make_mesh({"tensor": tensor}, jax.devices()[8 - tensor:])
+    sharded = RolloutEngine(config, cache, scheduler_config=sched, mesh=mesh)
+    assert tolerance_for(sharded) == 0.0
+    for call in range(2):  # the second call's prompts are served from the radix cache
+        got = sharded.rollout(params, 0, PROMPTS, sp, rng=jax.random.key(0))
+        assert (got.cached_tokens > 0) == (call == 1)
+        for a, b in zip(got.samples, want.samples):
+            assert a.output_ids == b.output_ids
+            np.testing.assert_array_equal(a.output_logprobs, b.output_logprobs)
+        report = audit_attribution(got, {0: params}, config)
+        assert report.ok and report.exact and report.max_abs_diff == 0.0
