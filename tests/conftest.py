@@ -33,10 +33,11 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
-# Files that take longest run first (`--dist loadfile` hands files to the two workers in
-# collection order): longest-first keeps the workers even instead of one finishing a long
-# file alone at the end. Order within a file is unchanged. Ranked by a cold-cache CI run's
-# durations (2026-12-06).
+# Files that take longest run first (`--dist loadfile --no-loadscope-reorder` hands files to
+# the workers in collection order; xdist's default reorders them by test count, which put the
+# one-test 170 s multidevice file last, alone): longest-first keeps the workers even instead
+# of one finishing a long file alone at the end. Order within a file is unchanged. Ranked by
+# a cold-cache CI run's durations (2026-12-06).
 LONG_FILES = ("test_multidevice.py", "test_invariant_kernels.py", "test_demo.py",
               "test_train_scale.py", "test_exactness.py", "test_numerics.py",
               "test_multihost.py", "test_step_audit.py", "test_lora_demo.py", "test_eval.py",
