@@ -207,6 +207,9 @@ def test_an_odd_derived_head_dim_names_the_fields_it_came_from(field):
     with pytest.raises(ConfigError, match=r"head_dim=1 \(absent, so hidden_size=\d+ // "
                                           r"num_attention_heads=\d+\)"):
         config_from_hf(hf)
+    hf["head_dim"] = 65  # given odd: named as given, not as a default
+    with pytest.raises(ConfigError, match=r"head_dim=65 \(as given\)"):
+        config_from_hf(hf)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats()

@@ -215,8 +215,8 @@ def head_dim(hf: dict, source: str, *, default: int, default_from: str = "") -> 
     embeddings need even; the error names the fields the odd value came from."""
     value = number(hf, "head_dim", int, source, default=default)
     if value % 2:
-        origin = f"default {default}" if "head_dim" in hf or not default_from else \
-            f"absent, so {default_from}"
+        origin = "as given" if "head_dim" in hf else \
+            f"absent, so {default_from or f'the default {default}'}"
         raise ConfigError(f"{source} field head_dim={value} ({origin}): rotary "
                           f"embeddings need an even head_dim")
     return value
