@@ -430,3 +430,24 @@ def test_the_gate_is_a_value_the_rollouts_source_holds():
         grpo_step(0, _state(), NoGate(), None, decode=str, history=_history(0))
     with pytest.raises(ValueError, match="AuditGate.tolerance must be"):
         audit.AuditGate(tolerance=float("nan"))
+
+
+def test_a_donating_step_names_the_refused_sample_with_the_state_it_carries():
+    """TrainConfig(donate=True) (the CLI's synchronous loop): the refused step deleted the
+    arrays the history held for its version, so grpo_step names the flagged sample with the
+    unchanged state the AttributionFailure carries (it raised "Array has been deleted"
+    before), and that state is intact."""
+    batch = tasks(seed=7)
+    k = 2
+    bad = dataclasses.replace(batch, episodes=batch.episodes[:k] + [
+        _shift(batch.episodes[k], 1)] + batch.episodes[k + 1:])
+    state = _state().replace(params=jax.tree.map(jax.numpy.copy, PARAMS[0]))
+    history = PolicyHistory(lag=0)
+    history.seed(0, state.model_params)  # what the demo does: the state's very arrays
+    with pytest.raises(RuntimeError, match=rf"flagged samples \[{k}\]") as failed:
+        grpo_step(0, state, FixedRollouts([("m", bad)]), None, decode=str, history=history,
+                  train=TrainConfig(donate=True))
+    carried = failed.value.__context__.state
+    assert isinstance(failed.value.__context__, AttributionFailure)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(carried.params),
+                                                    jax.tree.leaves(PARAMS[0])))

@@ -258,7 +258,10 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
                 state, batch, train, ref_params=ref_params, mesh=mesh,
                 max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
                 audit_tolerance=tolerance if in_step else None, audit_params=older)
-        except AttributionFailure:  # nothing was applied: name the samples, as the audit does
+        except AttributionFailure as e:  # nothing was applied: name the samples, as the
+            # audit does, with the state it carries: a donating step deleted the arrays the
+            # history held for this version (the same values)
+            history.params[version] = e.state.model_params
             _name_refused(step, batches, history.params, older, in_step - {version},
                           sampler_config, tolerance)
             raise
