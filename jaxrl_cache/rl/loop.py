@@ -258,11 +258,8 @@ def grpo_step(step: int, state: TrainState, rollouts: Rollouts, reward, *,
                 state, batch, train, ref_params=ref_params, mesh=mesh,
                 max_policy_lag=history.lag if max_policy_lag is None else max_policy_lag,
                 audit_tolerance=tolerance if in_step else None, audit_params=older)
-        except AttributionFailure as e:  # nothing was applied: name the samples, as the
-            # audit does, with the state it carries: a donating step deleted the arrays the
-            # history held for this version (the same values)
-            history.params[version] = e.state.model_params
-            _name_refused(step, batches, history.params, older, in_step - {version},
+        except AttributionFailure as e:  # nothing was applied: name the samples, as the audit does
+            _name_refused(step, batches, history, e.state, older, in_step - {version},
                           sampler_config, tolerance)
             raise
     except (AuditError, AttributionFailure) as e:
@@ -310,12 +307,15 @@ def _audit_plan(train: TrainConfig, batches: list, version: int, history: Policy
             dataclasses.replace(config, dtype=gate.sampler_dtype))
 
 
-def _name_refused(step: int, batches: list, params: dict, older: dict, scored: frozenset,
-                  config, tolerance: float) -> None:
+def _name_refused(step: int, batches: list, history: PolicyHistory, state: TrainState,
+                  older: dict, scored: frozenset, config, tolerance: float) -> None:
     """After the train step refused its update: its samples named (`name_misattributed`).
+    `state` is the unchanged one the refusal carries: the history holds its params again
+    (a donating step deleted the arrays it held for that version, the same values).
     `older` still holds its params when their scoring refused; emptied, the versions the
     step `scored` passed (their params may be gone from the history) and are not checked."""
-    name_misattributed(step, batches, {**params, **older}, config, tolerance,
+    history.params[int(state.version)] = state.model_params
+    name_misattributed(step, batches, {**history.params, **older}, config, tolerance,
                        () if older else scored)
 
 
