@@ -200,6 +200,33 @@ def test_a_bf16_step_audits_an_engine_holding_the_bf16_cast_in_the_step(monkeypa
                   history=_history(0), train=dataclasses.replace(one, mini_batches=2))
 
 
+
+def test_a_bf16_engine_holds_its_own_layers_as_bits_and_samples_the_same():
+    """A bf16 engine holds its own copy of the layers (the fp32 master weights' cast, or a
+    copy of bf16 params) as their bits, cast once per sync instead of in every call; lent
+    bf16 arrays stay as they are. All three sample the same tokens and log-probs bit for bit;
+    the cast offered again at the same version is the same weights (one fingerprint); a NaN
+    in the master weights is still refused (checked on the cast's floats, not its bits)."""
+    cfg = dataclasses.replace(CONFIG, dtype="bfloat16")
+    cast = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), PARAMS[0])
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 23)]
+    sp = SamplingParams(n=2, max_new_tokens=10, temperature=0.9, top_k=12)
+    outputs = []
+    for params, borrow, held in ((PARAMS[0], False, "uint16"), (cast, False, "uint16"),
+                                 (cast, True, "bfloat16")):
+        engine = RolloutEngine(cfg, CacheConfig(num_pages=64, page_size=8))
+        engine.sync_weights(params, 0, borrow=borrow)
+        assert {x.dtype.name for x in jax.tree.leaves(engine._weights.params["layers"])} \
+            == {held}
+        batch = engine.rollout(params, 0, prompts, sp, rng=jax.random.key(0))
+        outputs.append([(s.output_ids, s.output_logprobs.tolist()) for s in batch.samples])
+        assert engine.sync_weights(cast, 0).copied_bytes == 0  # the same weights
+    assert outputs[0] == outputs[1] == outputs[2]
+    bad = jax.tree.map(lambda x: x, PARAMS[0])
+    bad["layers"] = {**bad["layers"], "w_up": bad["layers"]["w_up"].at[0, 0, 0].set(np.nan)}
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        RolloutEngine(cfg, CacheConfig(num_pages=64, page_size=8)).sync_weights(bad, 0)
+
 def _history(*versions):
     history = PolicyHistory(lag=len(versions) - 1)
     for v in versions:

@@ -96,15 +96,20 @@ class DecoderLM(nnx.Module):
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, in, out] each
 
 
-def sampler_layout(params: dict) -> dict:
+def sampler_layout(params: dict, dtype) -> dict:
     """The rollout engine's weights: each layer projection for which
     `models.dense.transpose_pays` held with a fresh [L, out, in] transpose beside it
     (`Transposed`), so a decode of a few rows runs unpadded with the very bits the trainer's
-    [in, out] dot gives (models/dense.py). Every array of params is kept as it is."""
+    [in, out] dot gives (models/dense.py). Every array of params is kept as it is. dtype:
+    the model's (uint16 layers are its bits, `_layer_weight`)."""
     layers = dict(params["layers"])
+
+    def computed(w):  # the dtype the block computes the weight in
+        return jnp.dtype(dtype if w.dtype == jnp.uint16 else w.dtype).name
+
     pays = [name for name in PROJECTIONS if isinstance(layers.get(name), jax.Array)
             and transpose_pays(layers[name].shape[-2], layers[name].shape[-1],
-                               jnp.dtype(layers[name].dtype).name)]
+                               computed(layers[name]))]
     transposes = _transposed([layers[name] for name in pays])
     layers.update({name: Transposed(layers[name], t) for name, t in zip(pays, transposes)})
     return {**params, "layers": layers}

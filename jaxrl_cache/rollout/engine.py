@@ -50,7 +50,7 @@ from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, EpisodeBatch, RolloutBatch,
                                        SchedulerConfig, WeightAck)
 from jaxrl_cache.versioning import MAX_POLICY_LAG, as_version
-from kernels_pallas import resolve_backend
+from kernels_pallas import as_bits16, from_bits16, resolve_backend
 
 
 class _Weights(NamedTuple):
@@ -105,16 +105,19 @@ def _same_leaves(tree, leaves) -> bool:
 _GOLDEN = 2654435761  # the position weight's multiplier (Knuth's multiplicative hash)
 
 
-def _leaf_check(x):
+def _leaf_check(x, bits_of=None):
     """(every value of x finite, sum of x's bits, position-weighted sum of its bits), the
     sums mod 2**32, in ONE variadic reduce: XLA fuses the bit casts, the position iota and
     the product into it, so the pass over the leaf allocates nothing (three separate
-    reductions materialised [N] temporaries: +1 GiB and 0.43 s on SmolLM2)."""
+    reductions materialised [N] temporaries: +1 GiB and 0.43 s on SmolLM2). bits_of: a
+    uint16 x holds the bits of that 16-bit float dtype (`_layer_bits`): its values are
+    checked as those floats; the sums are of the same bits either way."""
     bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
     bits = bits.reshape(-1).astype(jnp.uint32)
     index = jax.lax.iota(jnp.uint32, bits.shape[0])
     weighted = bits * (index * jnp.uint32(_GOLDEN) + 1)
-    bad = jnp.logical_not(jnp.isfinite(x.reshape(-1))).astype(jnp.uint32)
+    values = x if bits_of is None else from_bits16(x, bits_of)
+    bad = jnp.logical_not(jnp.isfinite(values.reshape(-1))).astype(jnp.uint32)
     zero = jnp.uint32(0)
     bad, total, weighted = jax.lax.reduce(
         (bad, bits, weighted), (zero, zero, zero),
@@ -122,26 +125,36 @@ def _leaf_check(x):
     return bad == 0, total, weighted
 
 
-def _check_leaves(params):
+def _check_leaves(params, bits_of=None):
     """(bool []: every value of every leaf is finite, uint32 [2 * leaves]: two
     position-weighted sums (mod 2**32) of each leaf's bits). Equal weights give equal
-    fingerprints; an edited weight changes them (not a defence against an adversary: a
-    guard against another param tree under a synced version)."""
-    checks = [_leaf_check(x) for x in jax.tree.leaves(params)]
+    fingerprints, held as floats or as their bits (bits_of: `_leaf_check`); an edited
+    weight changes them (not a defence against an adversary: a guard against another param
+    tree under a synced version)."""
+    checks = [_leaf_check(x, bits_of) for x in jax.tree.leaves(params)]
     finite = jnp.all(jnp.stack([c[0] for c in checks])) if checks else jnp.bool_(True)
     sums = [s for c in checks for s in c[1:]]
     return finite, jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
 
 
-_checked = jax.jit(_check_leaves)  # (every value finite, fingerprint): one pass
+_checked = jax.jit(_check_leaves, static_argnums=1)  # (every value finite, fingerprint): one pass
 
 
-@jax.jit
-def _resident_copy(params):
+@functools.partial(jax.jit, static_argnums=1)
+def _resident_copy(params, bits: bool = False):
     """(fresh copies of params, whether every value is finite, fingerprint): one program,
     one pass over the weights. Fresh buffers: the caller may donate or mutate its own arrays
-    afterwards."""
-    return (jax.tree.map(jnp.copy, params), *_check_leaves(params))
+    afterwards. bits: the copy's 16-bit float layers as their bits (`_layer_bits`)."""
+    copy = jax.tree.map(jnp.copy, params)
+    return (_layer_bits(copy) if bits else copy, *_check_leaves(params))
+
+
+def _layer_bits(params):
+    """params with the 16-bit floats of their stacked layers held as their bits
+    (`kernels_pallas.as_bits16`): what `rollout.core` hands the layer scan on the xla path of
+    one device. Held so once per sync, no prefill or decode call casts the whole stack (XLA
+    does not elide a bit cast of a parameter: a copy of every layer per call)."""
+    return {**params, "layers": jax.tree.map(as_bits16, params["layers"])}
 
 
 def _narrows(given, dtype) -> bool:
@@ -155,20 +168,23 @@ def _narrows(given, dtype) -> bool:
             and given.itemsize > np.dtype(dtype).itemsize)
 
 
-def _narrowed(params, like):
-    """params with each leaf that `_narrows` to `like`'s dtype cast to it (fresh arrays,
-    one program), or None when none does."""
+def _narrowed_dtypes(params, like) -> tuple | None:
+    """`like`'s leaf dtypes when a leaf of params `_narrows` to its own, else None."""
     dtypes = tuple(np.dtype(y.dtype) for y in jax.tree.leaves(like))
     if not any(_narrows(getattr(x, "dtype", None), d)
                for x, d in zip(jax.tree.leaves(params), dtypes)):
         return None
-    return _cast_leaves(params, dtypes)
+    return dtypes
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cast_leaves(params, dtypes: tuple):
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cast_copy(params, dtypes: tuple, bits: bool = False):
+    """params with each leaf cast to `dtypes` (one program); bits: the cast's 16-bit float
+    layers as their bits (`_layer_bits`). Checked apart, on the 16-bit result: checked in
+    this program, XLA re-read the fp32 weights to recompute the cast (+0.05 s a sync)."""
     leaves, tree = jax.tree.flatten(params)
-    return jax.tree.unflatten(tree, [x.astype(d) for x, d in zip(leaves, dtypes)])
+    cast = jax.tree.unflatten(tree, [x.astype(d) for x, d in zip(leaves, dtypes)])
+    return _layer_bits(cast) if bits else cast
 
 
 def _buffers(x) -> set:
@@ -406,11 +422,10 @@ class RolloutEngine:
         if adapters is not None:  # LoRA: the base held once; only the adapters move
             lora_base = self._lora_base(base, version)
             params = {"adapters": adapters, "scale": scale}
-        cast = None if lora_base is not None else _narrowed(params, self._param_shapes)
-        narrowed = cast is not None
-        if narrowed:  # the cast is the engine's own copy: held as it is
-            params = cast
-        resident, finite, fingerprint = self._owned(params, borrow or narrowed)
+        dtypes = None if lora_base is not None else _narrowed_dtypes(params, self._param_shapes)
+        narrowed = dtypes is not None  # the cast is the engine's own copy: held as it is
+        resident, finite, fingerprint = self._owned(params, borrow, dtypes, bits=(
+            lora_base is None and self.mesh is None and self.backend == "xla"))
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
@@ -430,23 +445,29 @@ class RolloutEngine:
         transposed = 0
         if lora_base is None and self.mesh is None:  # (a LoRA base stays lent as it is)
             before = sum(x.nbytes for x in jax.tree.leaves(resident))
-            resident = family_of(self.model_config).decoder.sampler_layout(resident)
+            resident = family_of(self.model_config).decoder.sampler_layout(
+                resident, self.model_config.dtype)
             transposed = sum(x.nbytes for x in jax.tree.leaves(resident)) - before
         return _Weights(version, resident, source, time.perf_counter() - begun, copied,
                         any(lent) or lora_base is not None, lent_bytes,
                         tuple(p for p, l in zip(paths, lent) if not l) if borrow else (),
                         np.asarray(fingerprint), lora_base, transposed)
 
-    def _owned(self, params, borrow: bool):
-        """(params resident at the engine's placement, finite, fingerprint): fresh copies, or
-        with borrow the jax arrays themselves (a host numpy array is copied, since
-        device_put may alias it on CPU and the caller could then edit "resident" weights)."""
-        if borrow:
+    def _owned(self, params, borrow: bool, dtypes: tuple | None = None, bits: bool = False):
+        """(params resident at the engine's placement, finite, fingerprint): fresh copies
+        (cast to `dtypes` when given, the engine's own), or with borrow the jax arrays
+        themselves (a host numpy array is copied, since device_put may alias it on CPU and
+        the caller could then edit "resident" weights). bits: copies held with `_layer_bits`
+        (the xla path of one device); lent arrays stay as they are."""
+        if dtypes is not None:
+            owned = _cast_copy(params, dtypes, bits)
+            finite, fingerprint = _checked(owned, jnp.dtype(self.model_config.dtype).name)
+        elif borrow:
             owned = jax.tree.map(lambda x: x if isinstance(x, jax.Array)
                                  else jnp.asarray(np.array(x, copy=True)), params)
             finite, fingerprint = _checked(owned)
         else:
-            owned, finite, fingerprint = _resident_copy(params)
+            owned, finite, fingerprint = _resident_copy(params, bits)
         return jax.block_until_ready(jax.device_put(owned, self._placement)), finite, fingerprint
 
     def _lora_base(self, base, version: int) -> _LoraBase:
@@ -476,8 +497,10 @@ class RolloutEngine:
         adapters')."""
         base, adapters, scale = lora.split(params)
         if adapters is None:
-            cast = _narrowed(params, self._param_shapes)
-            return np.asarray(_checked(params if cast is None else cast)[1])
+            dtypes = _narrowed_dtypes(params, self._param_shapes)
+            if dtypes is None:
+                return np.asarray(_checked(params)[1])
+            return np.asarray(_checked(_cast_copy(params, dtypes))[1])
         held = self._weights.lora_base
         base_print = held.fingerprint if held is not None and held.params is not None and \
             _same_leaves(base, held.source) else np.asarray(_checked(base)[1])
