@@ -44,19 +44,27 @@ def prefill_step(params, kv_cache, tokens, token_seq, token_pos, page_table, cu_
     return logits, _as_values(decoder.copy_pages(kv_cache, copy_src, copy_dst), config)
 
 
+def on_bits_path(backend: str, mesh) -> bool:
+    """Whether calls carry 16-bit floats as their bits: the xla paths of one device, where
+    XLA:CPU would otherwise convert them whole to fp32 around each scatter and slice."""
+    return mesh is None and resolve_backend(backend) == "xla"
+
+
 def _as_bits(tree, backend: str, mesh):
-    """A pytree's 16-bit float arrays as their bits (`as_bits16`) on the xla paths of one
-    device, where XLA:CPU would otherwise convert them whole to fp32 around each scatter
-    and slice; as it is elsewhere."""
-    if mesh is not None or resolve_backend(backend) != "xla":
-        return tree
-    return jax.tree.map(as_bits16, tree)
+    """A pytree's 16-bit float arrays as their bits (`as_bits16`) `on_bits_path`; as it is
+    elsewhere."""
+    return jax.tree.map(as_bits16, tree) if on_bits_path(backend, mesh) else tree
+
+
+def layers_as_bits(params):
+    """params with the stacked layers' 16-bit floats as their bits: the layer scan slices
+    bits and `models.llama._decoder` views each layer as floats again. An engine holds its
+    own layers so (`rollout.engine`), since this cast of a call's parameter is a copy."""
+    return {**params, "layers": jax.tree.map(as_bits16, params["layers"])}
 
 
 def _bits_params(params, backend: str, mesh):
-    """params with the stacked layers as bits (`_as_bits`): the layer scan slices bits and
-    `models.llama._decoder` views each layer as floats again."""
-    return {**params, "layers": _as_bits(params["layers"], backend, mesh)}
+    return layers_as_bits(params) if on_bits_path(backend, mesh) else params
 
 
 def _as_values(kv_cache, config: ModelConfig):

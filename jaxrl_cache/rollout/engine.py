@@ -45,12 +45,13 @@ from jaxrl_cache.interrupts import allow_signals, deferred_signals
 from jaxrl_cache.models import ModelConfig, lora
 from jaxrl_cache.models.families import family_of
 from jaxrl_cache.rollout import episodes, page_claims, retire, scheduler, text
+from jaxrl_cache.rollout.core import layers_as_bits, on_bits_path
 from jaxrl_cache.rollout.runner import Runner
 from jaxrl_cache.rollout.sampling import SamplingParams
 from jaxrl_cache.rollout.types import (CacheConfig, EpisodeBatch, RolloutBatch,
                                        SchedulerConfig, WeightAck)
 from jaxrl_cache.versioning import MAX_POLICY_LAG, as_version
-from kernels_pallas import as_bits16, from_bits16, resolve_backend
+from kernels_pallas import from_bits16, resolve_backend
 
 
 class _Weights(NamedTuple):
@@ -110,7 +111,7 @@ def _leaf_check(x, bits_of=None):
     sums mod 2**32, in ONE variadic reduce: XLA fuses the bit casts, the position iota and
     the product into it, so the pass over the leaf allocates nothing (three separate
     reductions materialised [N] temporaries: +1 GiB and 0.43 s on SmolLM2). bits_of: a
-    uint16 x holds the bits of that 16-bit float dtype (`_layer_bits`): its values are
+    uint16 x holds the bits of that 16-bit float dtype (`core.layers_as_bits`): its values are
     checked as those floats; the sums are of the same bits either way."""
     bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
     bits = bits.reshape(-1).astype(jnp.uint32)
@@ -144,17 +145,9 @@ _checked = jax.jit(_check_leaves, static_argnums=1)  # (every value finite, fing
 def _resident_copy(params, bits: bool = False):
     """(fresh copies of params, whether every value is finite, fingerprint): one program,
     one pass over the weights. Fresh buffers: the caller may donate or mutate its own arrays
-    afterwards. bits: the copy's 16-bit float layers as their bits (`_layer_bits`)."""
+    afterwards. bits: the copy's 16-bit float layers as their bits (`core.layers_as_bits`)."""
     copy = jax.tree.map(jnp.copy, params)
-    return (_layer_bits(copy) if bits else copy, *_check_leaves(params))
-
-
-def _layer_bits(params):
-    """params with the 16-bit floats of their stacked layers held as their bits
-    (`kernels_pallas.as_bits16`): what `rollout.core` hands the layer scan on the xla path of
-    one device. Held so once per sync, no prefill or decode call casts the whole stack (XLA
-    does not elide a bit cast of a parameter: a copy of every layer per call)."""
-    return {**params, "layers": jax.tree.map(as_bits16, params["layers"])}
+    return (layers_as_bits(copy) if bits else copy, *_check_leaves(params))
 
 
 def _narrows(given, dtype) -> bool:
@@ -180,11 +173,11 @@ def _narrowed_dtypes(params, like) -> tuple | None:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _cast_copy(params, dtypes: tuple, bits: bool = False):
     """params with each leaf cast to `dtypes` (one program); bits: the cast's 16-bit float
-    layers as their bits (`_layer_bits`). Checked apart, on the 16-bit result: checked in
+    layers as their bits (`core.layers_as_bits`). Checked apart, on the 16-bit result: checked in
     this program, XLA re-read the fp32 weights to recompute the cast (+0.05 s a sync)."""
     leaves, tree = jax.tree.flatten(params)
     cast = jax.tree.unflatten(tree, [x.astype(d) for x, d in zip(leaves, dtypes)])
-    return _layer_bits(cast) if bits else cast
+    return layers_as_bits(cast) if bits else cast
 
 
 def _buffers(x) -> set:
@@ -425,7 +418,7 @@ class RolloutEngine:
         dtypes = None if lora_base is not None else _narrowed_dtypes(params, self._param_shapes)
         narrowed = dtypes is not None  # the cast is the engine's own copy: held as it is
         resident, finite, fingerprint = self._owned(params, borrow, dtypes, bits=(
-            lora_base is None and self.mesh is None and self.backend == "xla"))
+            lora_base is None and on_bits_path(self.backend, self.mesh)))
         if not bool(finite):
             raise ValueError(f"params for version {version} contain NaN or Inf; refusing "
                              f"to sync them")
@@ -457,8 +450,9 @@ class RolloutEngine:
         """(params resident at the engine's placement, finite, fingerprint): fresh copies
         (cast to `dtypes` when given, the engine's own), or with borrow the jax arrays
         themselves (a host numpy array is copied, since device_put may alias it on CPU and
-        the caller could then edit "resident" weights). bits: copies held with `_layer_bits`
-        (the xla path of one device); lent arrays stay as they are."""
+        the caller could then edit "resident" weights). bits: copies held with their layers as
+        bits (`core.layers_as_bits`: the calls then cast nothing); lent arrays stay as they
+        are."""
         if dtypes is not None:
             owned = _cast_copy(params, dtypes, bits)
             finite, fingerprint = _checked(owned, jnp.dtype(self.model_config.dtype).name)
