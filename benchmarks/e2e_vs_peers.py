@@ -142,6 +142,11 @@ def summarise(run: dict) -> dict:
                 reward_steps=[round(r["reward"], 4) for r in rows],
                 compiles_after_step_1=(sum(r["compiles"] for r in timed)
                                        if "compiles" in timed[0] else None),
+                # jaxrl's audit of every step (step 1 included): the sampler/trainer gap
+                logprob_mismatch_max=(max(r["logprob_mismatch_max"] for r in rows)
+                                      if "logprob_mismatch_max" in rows[0] else None),
+                audited_per_step=([r["audited"] for r in rows] if "audited" in rows[0]
+                                  else None),
                 load_before=run["load_before"], load_after=run["load_after"])
 
 
@@ -215,6 +220,12 @@ def main() -> None:
         pathlib.Path(args.md).write_text(markdown(runs, args.shape, args.steps))
 
 
+def _worst_mismatch(rounds: list[dict]) -> str:
+    """The largest log-prob mismatch of any step of any round ("-" for a peer without one)."""
+    values = [r.get("logprob_mismatch_max") for r in rounds]
+    return "-" if None in values else f"{max(values):g}"
+
+
 def markdown(runs: list[dict], shape: str, steps: int) -> str:
     """Per variant: s/step (median over its rounds, each the median of steps 2..N), the
     phases, peak RSS, compiles after step 1; then each system's best and the ratios."""
@@ -224,11 +235,12 @@ def markdown(runs: list[dict], shape: str, steps: int) -> str:
            f"SmolLM2-135M-Instruct, add.jsonl as chat prompts, {steps} steps per run (step 1 "
            "excluded), rounds alternated; `python benchmarks/e2e_vs_peers.py` (docstring).",
            "", "| variant | s/step per round | generation s | update s | peak RSS GiB | "
-           "compiles after step 1 |", "| --- | --- | --- | --- | --- | --- |"]
+           "compiles after step 1 | log-prob mismatch max |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, entry in table["variants"].items():
         rounds = [r for r in entry["rounds"] if r.get("s_per_step") is not None]
         if not rounds:
-            out.append(f"| {name} | failed ({entry['rounds'][0].get('rc')}) | | | | |")
+            out.append(f"| {name} | failed ({entry['rounds'][0].get('rc')}) | | | | | |")
             continue
         def fmt(key):
             return " / ".join(f"{r[key]:.2f}" for r in rounds if r.get(key) is not None)
@@ -237,7 +249,8 @@ def markdown(runs: list[dict], shape: str, steps: int) -> str:
         out.append(f"| {name} | {fmt('s_per_step')} | {fmt('generation_seconds')} | "
                    f"{fmt('update_seconds')} | "
                    f"{max(r['peak_rss_mib'] for r in rounds) / 1024:.2f} | "
-                   f"{' / '.join(map(str, compiles)) if None not in compiles else '-'} |")
+                   f"{' / '.join(map(str, compiles)) if None not in compiles else '-'} | "
+                   f"{_worst_mismatch(rounds)} |")
     best = table["best"]
     out += ["", "Best per system (median over rounds): " + ", ".join(
         f"{s} {v['variant']} {v['s_per_step']:.2f} s/step" for s, v in best.items())]

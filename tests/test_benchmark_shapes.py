@@ -29,3 +29,25 @@ def test_exact_cost_refuses_a_bad_shape_before_running_anything(capsys):
                          "--exact-tree", "/nonexistent"])
     assert exit_info.value.code == 2  # argparse's usage error, not a traceback
     assert "PxGxT with positive integers" in capsys.readouterr().err
+
+
+def test_the_e2e_summary_carries_the_worst_log_prob_mismatch_of_every_step():
+    """benchmarks/e2e_vs_peers.py: a run's summary and table report the largest
+    sampler/trainer mismatch of any step (step 1 included) and the samples audited per step;
+    a peer that reports none shows '-'."""
+    from benchmarks import e2e_vs_peers
+
+    def run(variant, system, mismatches):
+        rows = [dict(seconds=1.0, generation_seconds=0.4, update_seconds=0.6, peak_rss_mib=1,
+                     reward=0.0, **({} if mismatches is None else dict(
+                         logprob_mismatch_max=m, audited=16, compiles=0, audit_seconds=0.0,
+                         cpu_seconds=1.0))) for m in (mismatches or [None] * 3)]
+        return dict(variant=variant, system=system, rc=0, steps=rows, load_before=[0] * 3,
+                    load_after=[0] * 3)
+
+    ours = run("jaxrl-bf16", "jaxrl-bf16", [0.25, 0.0, 0.0])  # only step 1 is off
+    summary = e2e_vs_peers.summarise(ours)
+    assert summary["logprob_mismatch_max"] == 0.25
+    assert summary["audited_per_step"] == [16, 16, 16]
+    table = e2e_vs_peers.markdown([ours, run("trl-2t-bf16", "trl-bf16", None)], "2x8x24", 3)
+    assert "| 0 | 0.25 |" in table and table.rstrip().count("| - | - |") == 1
