@@ -42,12 +42,15 @@ def launch(out_dir: pathlib.Path, processes: int = 2) -> list[subprocess.Popen]:
         stderr=subprocess.STDOUT, text=True) for i in range(processes)]
 
 
+# the single-device prefill and decode, jitted once (the spread's draws reuse their programs)
+FORWARDS = [jax.jit(lambda p, kv, *a, f=f: f(p, common.CONFIG, kv, *a, backend="xla"))
+            for f in (prefill_forward, decode_forward)]
+
+
 def _greedy(params):
     """(tokens [4, 2], logits f32 [4, 2, V]) of the single-device prefill + 3 decode steps."""
-    forwards = [jax.jit(lambda p, kv, *a, f=f: f(p, common.CONFIG, kv, *a, backend="xla"))
-                for f in (prefill_forward, decode_forward)]
     kv = init_kv_cache(common.CONFIG, common.NUM_PAGES, common.PAGE_SIZE)
-    return common.greedy(*forwards, params, kv, steps=3)[:2]
+    return common.greedy(*FORWARDS, params, kv, steps=3)[:2]
 
 
 def one_ulp_logit_spread(params, draws: int = 2) -> float:
